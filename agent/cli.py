@@ -1,0 +1,37 @@
+"""`python -m agent SUBCOMMAND ...`: each subcommand lives in its own module.
+
+A module named here provides ``add_arguments(parser)`` and ``main(args) -> int``; it is imported
+only when its subcommand runs, so `run` does not pay for vLLM imports and `serve` not for scanpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "run": ("agent.runner", "analyse one sample with the agent loop"),
+    "synth": ("agent.data.synthetic", "write a synthetic sample or the demo cohort"),
+    "serve": ("agent.serve.launch", "start a vLLM server with the four layers and wait on health"),
+    "plan": ("agent.serve.kvplan", "plan KV-cache capacity for a model on a GPU"),
+    "replay": ("agent.replay", "re-run a recorded world state and compare the results"),
+    "report": ("agent.report", "aggregate world states into the cohort report"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m agent", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        parser.parse_args(argv)  # prints usage / --help, or the error for an unknown subcommand
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+    cmd = argparse.ArgumentParser(
+        prog=f"python -m agent {argv[0]}", description=SUBCOMMANDS[argv[0]][1]
+    )
+    module.add_arguments(cmd)
+    return int(module.main(cmd.parse_args(argv[1:])) or 0)

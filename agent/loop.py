@@ -1,0 +1,134 @@
+"""The agent loop: plan -> tool call -> result -> world-state entry -> budget -> truncate -> plan."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import orjson
+
+from agent.context import ContextManager
+from agent.policies.base import Decision, Policy, PromptTooLong
+from agent.registry import Outcome, ToolRegistry
+from agent.world_state import Entry, WorldState
+
+NO_CALL = "(no tool call)"
+NUDGE = "Your last reply had no valid tool call. Call one of the tools; call finish when the analysis is done."
+
+
+def run_loop(
+    policy: Policy,
+    registry: ToolRegistry,
+    session: Any,
+    world: WorldState,
+    context: ContextManager,
+    outdir: Path,
+    max_steps: int = 120,
+    max_failures: int = 6,
+    log: TextIO = sys.stderr,
+) -> str:
+    """Run until `finish` succeeds ("finished"), the step limit, or too many failures in a row."""
+    defaults, schemas = registry.defaults(), registry.schemas()
+    digest, failures, overflows = session.digest(), 0, 0
+    while world.next_step <= max_steps:
+        messages = context.prompt(world.render(defaults=defaults))
+        t0 = time.perf_counter()
+        try:
+            decision = policy.decide(messages, schemas, world)
+        except PromptTooLong as e:  # our estimate was low: learn from it and cut harder
+            overflows += 1
+            if overflows > 3:
+                raise
+            context.observe_overflow(e.prompt_tokens)
+            continue
+        think = time.perf_counter() - t0
+        context.observe(decision.usage)
+        context.add_decision(decision)
+        outcomes = [
+            (c.id, registry.call(c.name, c.arguments, session)) for c in decision.calls
+        ] or [
+            (
+                None,
+                Outcome(
+                    NO_CALL,
+                    {},
+                    "error",
+                    None,
+                    f"reply had no tool call (finish_reason={decision.finish_reason})",
+                    0.0,
+                ),
+            )
+        ]
+        for call_id, outcome in outcomes:
+            after = session.digest()
+            entry = world.add(
+                Entry(
+                    world.next_step,
+                    outcome.tool,
+                    outcome.params,
+                    outcome.status,
+                    outcome.result,
+                    outcome.error,
+                    round(outcome.seconds, 4),
+                    digest,
+                    after,
+                    call_id,
+                )
+            )
+            digest = after
+            if outcome.ok:
+                entry.checkpoint = session.after_step(entry.step, outcome.tool)
+            if call_id is None:
+                context.add_user(NUDGE)
+            else:
+                context.add_result(call_id, outcome)
+            failures = 0 if outcome.ok else failures + 1
+        world.save(outdir / "world_state.json")
+        _report(outdir, log, world, decision, context, think, outcomes)
+        if any(o.ok and o.tool == "finish" for _, o in outcomes):
+            return "finished"
+        if failures >= max_failures:
+            return "repeated_failures"
+    return "step_limit"
+
+
+def _report(
+    outdir: Path,
+    log: TextIO,
+    world: WorldState,
+    decision: Decision,
+    context: ContextManager,
+    think: float,
+    outcomes: list[tuple[str | None, Outcome]],
+) -> None:
+    """One progress line on stderr and one metrics line per iteration."""
+    u = decision.usage
+    row = {
+        "step": world.entries[-1].step,
+        "tools": [o.tool for _, o in outcomes],
+        "status": [o.status for _, o in outcomes],
+        "decide_seconds": round(think, 4),
+        "tool_seconds": round(sum(o.seconds for _, o in outcomes), 4),
+        "prompt_tokens": u.prompt_tokens if u else None,
+        "completion_tokens": u.completion_tokens if u else None,
+        "cached_tokens": u.cached_tokens if u else None,
+        "calibration": round(context.counter.factor, 4),
+        "time": time.time(),
+        **context.last,
+    }
+    with open(outdir / "metrics.jsonl", "ab") as f:
+        f.write(orjson.dumps(row) + b"\n")
+    tokens = (
+        f" | prompt {u.prompt_tokens} completion {u.completion_tokens} cached {u.cached_tokens}"
+        if u
+        else ""
+    )
+    names = ",".join(f"{o.tool}{'' if o.ok else '!'}" for _, o in outcomes)
+    print(
+        f"[{world.meta.get('sample', '?')}] step {row['step']} {names} "
+        f"{think + row['tool_seconds']:.2f}s{tokens}",
+        file=log,
+        flush=True,
+    )

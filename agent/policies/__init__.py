@@ -1,0 +1,1 @@
+"""Deciders of the next tool call: one loop, three policies (LLM, reference recipe, replay)."""

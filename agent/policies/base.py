@@ -1,0 +1,45 @@
+"""What a policy returns, and the one method every policy has."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from agent.world_state import WorldState
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, exactly as the decider produced it
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+
+@dataclass
+class Decision:
+    calls: list[ToolCall] = field(default_factory=list)
+    text: str | None = None
+    usage: Usage | None = None
+    finish_reason: str | None = None
+
+
+class PromptTooLong(Exception):
+    """The server refused the prompt as longer than its context; carries its token count if known."""
+
+    def __init__(self, message: str, prompt_tokens: int | None = None):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+
+
+class Policy(Protocol):
+    def decide(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], world: WorldState
+    ) -> Decision: ...

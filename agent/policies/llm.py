@@ -1,0 +1,79 @@
+"""LLMPolicy: the next tool call from any OpenAI-compatible server (vLLM in production)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import openai
+
+from agent.policies.base import Decision, PromptTooLong, ToolCall, Usage
+from agent.world_state import WorldState
+
+_TOO_LONG = re.compile(r"maximum context length|context length|too long", re.I)
+_TOKENS = re.compile(r"(\d+) (?:input )?tokens", re.I)
+
+
+class LLMPolicy:
+    """Chat completions with tools. The `openai` client retries connection errors, 408/429 and
+    5xx with exponential backoff (`max_retries`) and gives up on a slow answer after `timeout`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str = "EMPTY",
+        timeout: float = 300.0,
+        max_retries: int = 5,
+        temperature: float = 0.0,
+        max_tokens: int = 1024,
+        seed: int = 0,
+        tool_choice: str = "auto",
+    ):
+        self.client = openai.OpenAI(
+            base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries
+        )
+        self.model = model
+        self.sampling = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed}
+        self.tool_choice = tool_choice
+
+    def context_limit(self) -> int | None:
+        """The server's max_model_len (vLLM lists it with the model), if it says."""
+        for m in self.client.models.list().data:
+            if m.id == self.model:
+                return getattr(m, "max_model_len", None) or (m.model_extra or {}).get(
+                    "max_model_len"
+                )
+        return None
+
+    def decide(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], world: WorldState
+    ) -> Decision:
+        try:
+            resp = self.client.chat.completions.create(
+                model=self.model,
+                messages=messages,
+                tools=tools,
+                tool_choice=self.tool_choice,
+                **self.sampling,
+            )
+        except openai.BadRequestError as e:
+            if _TOO_LONG.search(str(e)):
+                counts = [int(n) for n in _TOKENS.findall(str(e))]
+                raise PromptTooLong(str(e), max(counts) if counts else None) from e
+            raise
+        choice = resp.choices[0]
+        calls = [
+            ToolCall(
+                c.id or f"call-{world.next_step}-{i}", c.function.name, c.function.arguments or ""
+            )
+            for i, c in enumerate(choice.message.tool_calls or [])
+        ]
+        u = resp.usage
+        details = getattr(u, "prompt_tokens_details", None) if u else None
+        usage = (
+            Usage(u.prompt_tokens, u.completion_tokens, getattr(details, "cached_tokens", None))
+            if u
+            else None
+        )
+        return Decision(calls, choice.message.content, usage, choice.finish_reason)

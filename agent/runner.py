@@ -1,0 +1,181 @@
+"""`python -m agent run`: analyse one sample, writing the world state and metrics as it goes."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import platform
+import sys
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from agent.context import ContextManager
+from agent.loop import run_loop
+from agent.policies.base import Policy
+from agent.prompts import BRIEF, SYSTEM_PROMPT
+from agent.world_state import WorldState
+
+PACKAGES = (
+    "scagent",
+    "scanpy",
+    "anndata",
+    "numpy",
+    "scipy",
+    "pandas",
+    "scikit-learn",
+    "umap-learn",
+    "igraph",
+    "leidenalg",
+    "openai",
+    "orjson",
+    "pydantic",
+)
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def checksum(path: Path) -> str:
+    """sha256 of a file, or of a folder's files (relative names and contents, in sorted order)."""
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        if path.is_dir():
+            h.update(str(f.relative_to(path)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def make_policy(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Policy, int | None]:
+    """The policy the user asked for, and the server's context limit when it tells one."""
+    if args.policy == "reference":
+        from agent.policies.reference import ReferencePolicy
+
+        return ReferencePolicy(), None
+    if args.policy == "replay":
+        from agent.policies.replay import ReplayPolicy
+
+        if not args.world_state:
+            raise SystemExit(
+                "--policy replay needs --world-state FILE (the recorded run to replay)"
+            )
+        return ReplayPolicy(WorldState.load(args.world_state)), None
+    from agent.policies.llm import LLMPolicy
+    from agent.serve.endpoint import read_endpoint, wait_until_ready
+
+    if args.endpoint_file:
+        ep = read_endpoint(args.endpoint_file)
+        url, model, key = ep.url, ep.model, ep.api_key
+        meta["server_flags"] = ep.flags
+    elif args.base_url and args.model:
+        url, model = args.base_url, args.model
+        key = Path(args.api_key_file).read_text().strip() if args.api_key_file else "EMPTY"
+    else:
+        raise SystemExit(
+            "--policy llm needs --endpoint-file FILE, or --base-url URL and --model NAME"
+        )
+    meta["model"] = model
+    wait_until_ready(url, api_key=key, model=model, timeout_s=args.server_wait)
+    policy = LLMPolicy(url, model, api_key=key, timeout=args.request_timeout, seed=args.seed)
+    return policy, policy.context_limit()
+
+
+def run_sample(args: argparse.Namespace) -> str:
+    from agent.tools import build_registry
+    from agent.tools.session import Session
+
+    outdir = Path(args.outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "metrics.jsonl").unlink(missing_ok=True)
+    input_path = Path(args.input)
+    if not input_path.exists():
+        raise SystemExit(f"input {input_path} does not exist (expected a 10x folder, .h5 or .h5ad)")
+    sample = args.sample or input_path.stem
+    meta: dict[str, Any] = {
+        "sample": sample,
+        "input": str(input_path.resolve()),
+        "input_sha256": checksum(input_path),
+        "policy": args.policy,
+        "model": None,
+        "server_flags": None,
+        "seed": args.seed,
+        "versions": versions(),
+        "started": now(),
+        "ended": None,
+        "status": "running",
+    }
+    world = WorldState(meta=meta)
+    policy, server_limit = make_policy(args, meta)
+    meta["context_limit"] = server_limit or args.context_limit
+    registry = build_registry()
+    context = ContextManager(
+        SYSTEM_PROMPT,
+        registry.schemas(),
+        meta["context_limit"],
+        completion_reserve=args.completion_reserve,
+    )
+    context.add_user(BRIEF.format(sample=sample, input=input_path.name, brief=args.brief or ""))
+    session = Session(outdir, seed=args.seed, input_path=input_path)
+    try:
+        status = run_loop(
+            policy, registry, session, world, context, outdir, max_steps=args.max_steps
+        )
+    except BaseException as e:  # the record must say how the run ended, whatever ended it
+        meta.update(status="failed", error=f"{type(e).__name__}: {e}", ended=now())
+        world.save(outdir / "world_state.json")
+        raise
+    meta.update(status=status, ended=now(), truncations=context.truncations)
+    world.save(outdir / "world_state.json")
+    return status
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", required=True, help="10x mtx folder, 10x .h5 or .h5ad of raw counts")
+    p.add_argument("--outdir", required=True, help="the sample's output folder")
+    p.add_argument("--sample", help="sample name (default: the input's name)")
+    p.add_argument("--policy", choices=["reference", "llm", "replay"], default="reference")
+    p.add_argument("--endpoint-file", help="endpoint JSON written by `python -m agent serve`")
+    p.add_argument("--base-url", help="OpenAI-compatible base URL, e.g. http://host:8000/v1")
+    p.add_argument("--model", help="model name on that server")
+    p.add_argument("--api-key-file", help="file holding the server's API key")
+    p.add_argument("--brief", help="extra instructions for this sample")
+    p.add_argument("--world-state", help="recorded world_state.json (for --policy replay)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=120)
+    p.add_argument(
+        "--context-limit",
+        type=int,
+        default=32768,
+        help="used when the server does not report max_model_len",
+    )
+    p.add_argument("--completion-reserve", type=int, default=1024)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--server-wait", type=float, default=600.0, help="seconds to wait for server health"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    status = run_sample(args)
+    if status != "finished":
+        print(
+            f"run ended without finish: {status} (see {args.outdir}/world_state.json)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

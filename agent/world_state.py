@@ -1,0 +1,146 @@
+"""The world state: the exact record of every finished tool call, and its prompt rendering.
+
+The artifact (world_state.json) keeps every entry whole. The rendering for the prompt is never
+truncated by the context manager; it stays small by compacting older entries instead: recent
+calls in full, older ones one line per tool (latest call, how many times), older errors counted.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Entry:
+    step: int
+    tool: str
+    params: dict[str, Any]
+    status: Literal["ok", "error"]
+    result: dict[str, Any] | None
+    error: str | None
+    seconds: float
+    digest_before: str | None
+    digest_after: str | None
+    call_id: str | None = None
+    checkpoint: str | None = None
+
+
+def atomic_write(path: str | Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, then rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _short(value: Any, width: int) -> str:
+    if isinstance(value, float):
+        text = f"{value:.4g}"
+    elif isinstance(value, str):
+        text = value
+    else:
+        text = orjson.dumps(value).decode()
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _kv(d: dict[str, Any] | None, width: int, scalars_only: bool) -> str:
+    items = []
+    for k, v in (d or {}).items():
+        if scalars_only and isinstance(v, dict | list):
+            continue
+        items.append(f"{k}={_short(v, width)}")
+    return ", ".join(items)
+
+
+@dataclass
+class WorldState:
+    meta: dict[str, Any] = field(default_factory=dict)
+    entries: list[Entry] = field(default_factory=list)
+
+    @property
+    def next_step(self) -> int:
+        return self.entries[-1].step + 1 if self.entries else 1
+
+    def add(self, entry: Entry) -> Entry:
+        self.entries.append(entry)
+        return entry
+
+    def last_ok(self, tool: str) -> Entry | None:
+        return next(
+            (e for e in reversed(self.entries) if e.tool == tool and e.status == "ok"), None
+        )
+
+    def render(self, recent: int = 4, defaults: dict[str, dict[str, Any]] | None = None) -> str:
+        """Compact text for the prompt. `defaults` (per tool) hides parameters left at default."""
+        defaults = defaults or {}
+
+        def params(e: Entry) -> str:
+            shown = {
+                k: v for k, v in e.params.items() if defaults.get(e.tool, {}).get(k, object()) != v
+            }
+            return _kv(shown, 24, scalars_only=False)
+
+        old, new = (
+            self.entries[:-recent] if recent else self.entries,
+            self.entries[-recent:] if recent else [],
+        )
+        lines = [f"WORLD STATE: {len(self.entries)} tool calls done (authoritative record)."]
+        latest: dict[str, tuple[Entry, int]] = {}
+        errors = [e.step for e in old if e.status == "error"]
+        for e in old:
+            if e.status == "ok":
+                latest[e.tool] = (e, latest.get(e.tool, (e, 0))[1] + 1)
+        if latest:
+            lines.append("Earlier (latest successful call per tool):")
+            for e, n in sorted(latest.values(), key=lambda t: t[0].step):
+                times = f" x{n}" if n > 1 else ""
+                lines.append(
+                    f"#{e.step} {e.tool}({params(e)}){times} -> {_kv(e.result, 12, True)[:90]}"
+                )
+        if errors:
+            lines.append(
+                f"Earlier errors at steps {', '.join(map(str, errors[-8:]))} (see record)."
+            )
+        if new:
+            lines.append("Latest:")
+        for e in new:
+            outcome = (
+                _kv(e.result, 60, False)[:360] if e.status == "ok" else f"ERROR {e.error}"[:240]
+            )
+            lines.append(f"#{e.step} {e.tool}({params(e)}) -> {outcome}")
+        return "\n".join(lines)
+
+    def to_json(self) -> bytes:
+        doc = {
+            "schema_version": SCHEMA_VERSION,
+            "meta": self.meta,
+            "entries": [asdict(e) for e in self.entries],
+        }
+        return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+
+    def save(self, path: str | Path) -> None:
+        atomic_write(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> WorldState:
+        try:
+            doc = orjson.loads(Path(path).read_bytes())
+            return cls(meta=doc["meta"], entries=[Entry(**e) for e in doc["entries"]])
+        except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a readable world state ({type(e).__name__}: {e})") from e

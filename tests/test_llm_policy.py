@@ -1,0 +1,95 @@
+"""LLMPolicy over real HTTP with the real `openai` client, against the scripted server."""
+
+import io
+import json
+
+import openai
+import pytest
+
+from agent.context import ContextManager
+from agent.loop import run_loop
+from agent.policies.llm import LLMPolicy
+from agent.registry import ToolRegistry
+from agent.world_state import WorldState
+from tests.test_loop import Counter, add, finish
+
+
+def run(server, tmp_path, limit=None, **kw):
+    policy = LLMPolicy(server.base_url, "scripted", timeout=5, max_retries=3)
+    reg = ToolRegistry([add, finish])
+    ctx = ContextManager(
+        "instructions", reg.schemas(), limit or policy.context_limit(), completion_reserve=256
+    )
+    ctx.add_user("analyse S1")
+    world = WorldState(meta={"sample": "S1"})
+    status = run_loop(policy, reg, Counter(), world, ctx, tmp_path, log=io.StringIO(), **kw)
+    return status, world, ctx
+
+
+def test_tool_calls_usage_and_cached_tokens(scripted_server, tmp_path):
+    scripted_server.script = [
+        {"tool": "add", "arguments": '{"n": 2}'},
+        {"tool": "add", "arguments": "[]"},
+        {"text": "hmm"},
+        {"tool": "finish", "arguments": "{}"},
+    ]
+    status, world, _ctx = run(scripted_server, tmp_path)
+    assert status == "finished"
+    assert [e.status for e in world.entries] == ["ok", "error", "error", "ok"]
+    assert "must be a JSON object" in world.entries[1].error  # malformed arguments recorded
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["prompt_tokens"] > 0 and r["completion_tokens"] == 12 for r in rows)
+    assert (
+        rows[0]["cached_tokens"] == 0
+        and rows[-1]["cached_tokens"] > 0.8 * rows[-1]["prompt_tokens"] - 400
+    )
+    req = scripted_server.requests[0]
+    assert req["tools"][0]["function"]["name"] == "add" and req["tool_choice"] == "auto"
+    assert req["messages"][0]["role"] == "system" and req["messages"][-1]["content"].startswith(
+        "WORLD STATE"
+    )
+
+
+def test_context_limit_comes_from_the_server(scripted_server):
+    assert LLMPolicy(scripted_server.base_url, "scripted").context_limit() == 8192
+
+
+def test_retries_5xx_with_backoff(scripted_server, tmp_path):
+    scripted_server.fail_next = 2
+    scripted_server.script = [{"tool": "finish", "arguments": "{}"}]
+    status, _, _ = run(scripted_server, tmp_path)
+    assert status == "finished" and len(scripted_server.requests) == 3
+
+
+def test_gives_up_after_bounded_retries(scripted_server, tmp_path):
+    scripted_server.fail_next = 100
+    with pytest.raises(openai.InternalServerError):
+        run(scripted_server, tmp_path)
+    assert len(scripted_server.requests) == 4  # first try + 3 retries, then a clear error
+
+
+def test_counter_calibrates_to_the_server_and_never_overflows(scripted_server, tmp_path):
+    # the scripted server counts ~3 chars per token plus per-message overhead; a long session with
+    # big tool results in a small context must truncate, calibrate, and never hit the limit
+    scripted_server.max_model_len = 6000
+    scripted_server.script = [{"tool": "add", "arguments": "{}"}] * 40 + [
+        {"tool": "finish", "arguments": "{}"}
+    ]
+    status, world, ctx = run(scripted_server, tmp_path, max_steps=100)
+    assert status == "finished" and len(world.entries) == 41
+    assert ctx.truncations > 0 and ctx.counter.factor >= 1.0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["prompt_tokens"] + 256 <= 6000 for r in rows)
+    late = [abs(r["estimate_error"]) / r["prompt_tokens"] for r in rows[5:]]
+    assert max(late) < 0.25  # calibrated: the estimate tracks the server's count
+
+
+def test_prompt_too_long_is_learnt_from(scripted_server, tmp_path):
+    # the config claims a bigger context than the server has: the first refusal teaches the counter
+    scripted_server.max_model_len = 3000
+    scripted_server.script = [{"tool": "add", "arguments": "{}"}] * 6 + [
+        {"tool": "finish", "arguments": "{}"}
+    ]
+    status, _world, ctx = run(scripted_server, tmp_path, limit=3400, max_steps=20)
+    assert status == "finished"
+    assert ctx.counter.factor > 1.05

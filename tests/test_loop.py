@@ -1,0 +1,199 @@
+"""The loop with scripted deciders and toy tools: the record, the metrics, and the stop rules."""
+
+import io
+import json
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+from pydantic import Field
+
+from agent.context import ContextManager
+from agent.loop import NO_CALL, run_loop
+from agent.policies.base import Decision, ToolCall, Usage
+from agent.policies.replay import ReplayPolicy
+from agent.registry import ToolRegistry
+from agent.world_state import WorldState
+
+
+class Counter:
+    """A toy session: one integer of state."""
+
+    def __init__(self):
+        self.value = 0
+        self.checkpoints: list[int] = []
+
+    def digest(self) -> str:
+        return f"v{self.value}"
+
+    def after_step(self, step: int, tool: str) -> str | None:
+        self.checkpoints.append(step)
+        return f"checkpoints/step_{step:04d}.h5ad" if tool == "add" else None
+
+
+def add(session: Counter, n: Annotated[int, Field(ge=1, le=10)] = 1) -> dict:
+    """Add n."""
+    session.value += n
+    return {"value": session.value, "blob": "z" * 4000}
+
+
+def finish(session: Counter) -> dict:
+    """Stop."""
+    return {"final": session.value}
+
+
+class Scripted:
+    def __init__(self, *decisions: Decision):
+        self.decisions = list(decisions)
+        self.seen: list[list[dict]] = []
+
+    def decide(self, messages, tools, world):
+        self.seen.append(messages)
+        return self.decisions.pop(0)
+
+
+def call(name: str, args: str, i: int) -> Decision:
+    return Decision([ToolCall(f"c{i}", name, args)], usage=Usage(100 + i, 10, 50))
+
+
+def go(
+    policy, tmp_path: Path, limit: int = 100_000, **kw
+) -> tuple[str, WorldState, ContextManager, str]:
+    reg = ToolRegistry([add, finish])
+    world = WorldState(meta={"sample": "S1"})
+    ctx = ContextManager("instructions", reg.schemas(), context_limit=limit, completion_reserve=100)
+    ctx.add_user("analyse S1")
+    log = io.StringIO()
+    status = run_loop(policy, reg, Counter(), world, ctx, tmp_path, log=log, **kw)
+    return status, world, ctx, log.getvalue()
+
+
+def test_records_every_call_and_stops_on_finish(tmp_path):
+    policy = Scripted(
+        call("add", '{"n": 2}', 1),
+        call("add", '{"n": 99}', 2),
+        call("add", "{}", 3),
+        call("finish", "{}", 4),
+        call("add", "{}", 5),
+    )
+    status, world, _, log = go(policy, tmp_path)
+    assert status == "finished"
+    assert [(e.step, e.tool, e.status) for e in world.entries] == [
+        (1, "add", "ok"),
+        (2, "add", "error"),
+        (3, "add", "ok"),
+        (4, "finish", "ok"),
+    ]
+    assert world.entries[0].params == {"n": 2} and world.entries[2].params == {"n": 1}
+    assert "less than or equal to 10" in world.entries[1].error
+    assert (world.entries[0].digest_before, world.entries[0].digest_after) == ("v0", "v2")
+    assert (world.entries[1].digest_before, world.entries[1].digest_after) == ("v2", "v2")
+    assert world.entries[0].checkpoint == "checkpoints/step_0001.h5ad"
+    assert world.entries[3].result == {"final": 3}
+    saved = WorldState.load(tmp_path / "world_state.json")
+    assert saved.entries == world.entries
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["prompt_tokens"] == 101 and rows[0]["cached_tokens"] == 50
+    assert {"estimated_prompt_tokens", "estimate_error", "budget", "calibration"} <= rows[0].keys()
+    assert log.splitlines()[1].startswith("[S1] step 2 add! ")
+    assert "prompt 102 completion 10 cached 50" in log.splitlines()[1]
+
+
+def test_world_state_is_last_and_read_by_policy(tmp_path):
+    policy = Scripted(call("add", "{}", 1), call("finish", "{}", 2))
+    go(policy, tmp_path)
+    last = policy.seen[1][-1]
+    assert last["role"] == "user" and last["content"].startswith("WORLD STATE: 1 tool calls")
+    assert "#1 add() -> value=1" in last["content"]
+
+
+def test_reply_without_tool_call_is_recorded_and_nudged(tmp_path):
+    policy = Scripted(
+        Decision(text="I think we are done", finish_reason="stop"), call("finish", "{}", 2)
+    )
+    status, world, ctx, _ = go(policy, tmp_path)
+    assert status == "finished"
+    assert world.entries[0].tool == NO_CALL and "finish_reason=stop" in world.entries[0].error
+    assert ctx.history[-3]["role"] == "user" and "no valid tool call" in ctx.history[-3]["content"]
+
+
+def test_repeated_failures_stop_with_a_clear_status(tmp_path):
+    policy = Scripted(*[call("nope", "{}", i) for i in range(10)])
+    status, world, _, _ = go(policy, tmp_path, max_failures=4)
+    assert status == "repeated_failures" and len(world.entries) == 4
+
+
+def test_step_limit(tmp_path):
+    policy = Scripted(*[call("add", "{}", i) for i in range(10)])
+    status, world, _, _ = go(policy, tmp_path, max_steps=3)
+    assert status == "step_limit" and len(world.entries) == 3
+
+
+def test_long_session_truncates_but_keeps_the_record(tmp_path):
+    policy = Scripted(*[call("add", "{}", i) for i in range(60)], call("finish", "{}", 60))
+    status, world, ctx, _ = go(policy, tmp_path, limit=20_000, max_steps=200)
+    assert status == "finished" and len(world.entries) == 61
+    assert ctx.truncations > 0
+    assert all(len(str(m)) < 20_000 * 3 for m in policy.seen[-1])
+    assert policy.seen[-1][1] == {"role": "user", "content": "analyse S1"}  # the brief survives
+    # truncation is rare thanks to hysteresis, not on every step
+    assert ctx.truncations <= len(world.entries) // 3
+
+
+def test_replay_policy_repeats_successful_calls(tmp_path):
+    first = tmp_path / "a"
+    first.mkdir()
+    _, recorded, _, _ = go(
+        Scripted(call("add", '{"n": 3}', 1), call("add", '{"n": 0}', 2), call("finish", "{}", 3)),
+        first,
+    )
+    again = tmp_path / "b"
+    again.mkdir()
+    status, world, _, _ = go(ReplayPolicy(recorded), again)
+    assert status == "finished"
+    assert [(e.tool, e.params, e.result) for e in world.entries] == [
+        (e.tool, e.params, e.result) for e in recorded.entries if e.status == "ok"
+    ]
+
+
+@pytest.mark.parametrize("steps", [60])
+def test_render_stays_compact(steps):
+    from agent.context import TokenCounter
+    from agent.world_state import Entry
+
+    world = WorldState()
+    tools = [
+        "qc_metrics",
+        "filter_by_qc",
+        "pca",
+        "neighbors",
+        "leiden",
+        "rank_genes_groups",
+        "plot",
+    ]
+    for i in range(1, steps + 1):
+        ok = i % 9 != 0
+        world.add(
+            Entry(
+                i,
+                tools[i % len(tools)],
+                {"resolution": 0.8, "n_pcs": 30, "key": "leiden"},
+                "ok" if ok else "error",
+                {
+                    "n_cells": 2911,
+                    "n_clusters": 9,
+                    "sizes": list(range(40)),
+                    "quantiles": {"p50": 1500.5, "p95": 4000.25},
+                }
+                if ok
+                else None,
+                None if ok else "leiden needs neighbors first: call neighbors",
+                1.0,
+                "a" * 32,
+                "b" * 32,
+            )
+        )
+    text = world.render()
+    assert TokenCounter().raw(text) < 1000
+    assert "#60 " in text and "#59 " in text  # the latest in full

@@ -1,0 +1,93 @@
+from typing import Annotated, Literal
+
+import pytest
+from pydantic import Field
+
+from agent.registry import ToolError, ToolRegistry
+
+
+def leiden(
+    session: dict,
+    resolution: Annotated[float, Field(ge=0.01, le=5.0, description="Leiden resolution")] = 1.0,
+    flavor: Literal["igraph", "leidenalg"] = "igraph",
+    n_iterations: int = 2,
+) -> dict:
+    """Cluster the neighbour graph.
+
+    Args:
+        n_iterations: passes of the algorithm
+    """
+    if "neighbors" not in session:
+        raise ToolError("leiden needs the neighbour graph: call neighbors first")
+    return {"resolution": resolution, "n_iterations": n_iterations}
+
+
+def crash(session: dict) -> dict:
+    """A tool with a bug."""
+    return {"x": 1 / 0}
+
+
+@pytest.fixture
+def reg() -> ToolRegistry:
+    return ToolRegistry([leiden, crash])
+
+
+def test_schema_from_signature_and_docstring(reg):
+    fn = reg.schemas()[0]["function"]
+    assert fn["name"] == "leiden"
+    assert fn["description"] == "Cluster the neighbour graph."
+    props = fn["parameters"]["properties"]
+    assert props["resolution"] == {
+        "default": 1.0,
+        "description": "Leiden resolution",
+        "maximum": 5.0,
+        "minimum": 0.01,
+        "type": "number",
+    }
+    assert props["flavor"]["enum"] == ["igraph", "leidenalg"]
+    assert props["n_iterations"]["description"] == "passes of the algorithm"
+    assert fn["parameters"]["additionalProperties"] is False
+    assert reg.defaults()["leiden"] == {"resolution": 1.0, "flavor": "igraph", "n_iterations": 2}
+
+
+def test_valid_call_records_exact_params_with_defaults(reg):
+    out = reg.call("leiden", '{"resolution": 0.5}', {"neighbors": True})
+    assert out.ok and out.result == {"resolution": 0.5, "n_iterations": 2}
+    assert out.params == {"resolution": 0.5, "flavor": "igraph", "n_iterations": 2}
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "message"),
+    [
+        (
+            "leiden",
+            '{"resolution": -1}',
+            "resolution=-1: Input should be greater than or equal to 0.01",
+        ),
+        ("leiden", '{"resolution": "high"}', "resolution='high'"),
+        ("leiden", '{"flavor": "louvain"}', "flavor='louvain'"),
+        ("leiden", '{"colour": 1}', "unknown parameter 'colour'"),
+        ("leiden", "[]", "must be a JSON object"),
+        ("leiden", '{"resolution": 0.5', "not valid JSON"),
+        ("umap", "{}", "unknown tool 'umap'; available tools: leiden, crash"),
+        ("crash", "{}", "crash failed: ZeroDivisionError"),
+    ],
+)
+def test_every_failure_is_an_error_outcome(reg, name, args, message):
+    out = reg.call(name, args, {"neighbors": True})
+    assert out.status == "error" and out.result is None
+    assert message in out.error
+    assert out.for_model() == {"error": out.error}
+
+
+def test_tool_error_reaches_the_model(reg):
+    out = reg.call("leiden", "{}", {})
+    assert out.error == "leiden needs the neighbour graph: call neighbors first"
+
+
+def test_untyped_tool_is_refused_at_registration():
+    def bad(session, x):  # no type hint: the model could not be told what x is
+        return {}
+
+    with pytest.raises(TypeError, match="parameter 'x' needs a type hint"):
+        ToolRegistry([bad])
