@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import orjson
 
 SCHEMA_VERSION = 1
+_OPTS = orjson.OPT_SERIALIZE_NUMPY
 # The record sits beside the results and, as a copy, beside the checkpoints: Snakemake deletes the
 # declared outputs of a failed job, so a resumed job reads the copy that it does not own.
 RECORD_NAMES = ("world_state.json", "checkpoints/world_state.json")
@@ -36,14 +37,14 @@ class Entry:
     checkpoint: str | None = None
 
 
-def atomic_write(path: str | Path, data: bytes) -> None:
+def atomic_write(path: str | Path, data: bytes | list[bytes]) -> None:
     """Write to a temporary file in the same folder, then rename: never a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            f.writelines([data] if isinstance(data, bytes) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -75,6 +76,7 @@ def _kv(d: dict[str, Any] | None, width: int, scalars_only: bool) -> str:
 class WorldState:
     meta: dict[str, Any] = field(default_factory=dict)
     entries: list[Entry] = field(default_factory=list)
+    _encoded: list[bytes] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def next_step(self) -> int:
@@ -129,21 +131,34 @@ class WorldState:
             lines.append(f"#{e.step} {e.tool}({params(e)}) -> {outcome}")
         return "\n".join(lines)
 
+    def _chunks(self) -> list[bytes]:
+        """The whole record as JSON. Entries are final once saved, so their encoding is kept and
+        a save costs the new entries plus a join, not the whole history again (results can be
+        hundreds of KB each)."""
+        while len(self._encoded) < len(self.entries):
+            self._encoded.append(orjson.dumps(self.entries[len(self._encoded)], option=_OPTS))
+        head = orjson.dumps({"schema_version": SCHEMA_VERSION, "meta": self.meta}, option=_OPTS)
+        chunks = [head[:-1], b',"entries":[']
+        for i, e in enumerate(self._encoded):
+            chunks += [b",", e] if i else [e]
+        return [*chunks, b"]}"]
+
     def to_json(self) -> bytes:
-        doc = {
-            "schema_version": SCHEMA_VERSION,
-            "meta": self.meta,
-            "entries": [asdict(e) for e in self.entries],
-        }
-        return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+        return b"".join(self._chunks())
 
     def save(self, path: str | Path) -> None:
-        atomic_write(path, self.to_json())
+        atomic_write(path, self._chunks())
 
     def save_record(self, outdir: Path) -> None:
-        data = self.to_json()
-        for name in RECORD_NAMES:
-            atomic_write(outdir / name, data)
+        """Write the record and its copy: one write, the copy a hard link swapped in atomically."""
+        first, *copies = (outdir / name for name in RECORD_NAMES)
+        self.save(first)
+        for copy in copies:
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            tmp = copy.with_name(f".{copy.name}.link")
+            tmp.unlink(missing_ok=True)
+            os.link(first, tmp)
+            os.replace(tmp, copy)
 
     @classmethod
     def load(cls, path: str | Path) -> WorldState:
