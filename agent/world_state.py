@@ -63,13 +63,13 @@ def _short(value: Any, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _kv(d: dict[str, Any] | None, width: int, scalars_only: bool) -> str:
+def _kv(d: dict[str, Any] | None, width: int, numbers_only: bool = False, limit: int = 99) -> str:
     items = []
     for k, v in (d or {}).items():
-        if scalars_only and isinstance(v, dict | list):
+        if numbers_only and (isinstance(v, bool) or not isinstance(v, int | float)):
             continue
         items.append(f"{k}={_short(v, width)}")
-    return ", ".join(items)
+    return ", ".join(items[:limit])
 
 
 @dataclass
@@ -91,43 +91,40 @@ class WorldState:
             (e for e in reversed(self.entries) if e.tool == tool and e.status == "ok"), None
         )
 
-    def render(self, recent: int = 4, defaults: dict[str, dict[str, Any]] | None = None) -> str:
-        """Compact text for the prompt. `defaults` (per tool) hides parameters left at default."""
+    def render(self, recent: int = 3, defaults: dict[str, dict[str, Any]] | None = None) -> str:
+        """Compact text for the prompt. `defaults` (per tool) hides parameters left at default.
+
+        The latest calls appear whole (results cut at a few hundred characters); older ones one
+        line per tool (its latest successful call, its numbers, how many calls), older errors
+        as a list of steps: under 1,000 tokens for a 60-step analysis.
+        """
         defaults = defaults or {}
 
         def params(e: Entry) -> str:
-            shown = {
-                k: v for k, v in e.params.items() if defaults.get(e.tool, {}).get(k, object()) != v
-            }
-            return _kv(shown, 24, scalars_only=False)
+            left_out = defaults.get(e.tool, {})
+            shown = {k: v for k, v in e.params.items() if left_out.get(k, object()) != v}
+            return _kv(shown, 16)
 
-        old, new = (
-            self.entries[:-recent] if recent else self.entries,
-            self.entries[-recent:] if recent else [],
-        )
+        cut = max(len(self.entries) - recent, 0)
+        old, new = self.entries[:cut], self.entries[cut:]
         lines = [f"WORLD STATE: {len(self.entries)} tool calls done (authoritative record)."]
         latest: dict[str, tuple[Entry, int]] = {}
-        errors = [e.step for e in old if e.status == "error"]
         for e in old:
             if e.status == "ok":
                 latest[e.tool] = (e, latest.get(e.tool, (e, 0))[1] + 1)
         if latest:
             lines.append("Earlier (latest successful call per tool):")
-            for e, n in sorted(latest.values(), key=lambda t: t[0].step):
-                times = f" x{n}" if n > 1 else ""
-                lines.append(
-                    f"#{e.step} {e.tool}({params(e)}){times} -> {_kv(e.result, 12, True)[:90]}"
-                )
+        for e, n in sorted(latest.values(), key=lambda t: t[0].step):
+            times = f" x{n}" if n > 1 else ""
+            numbers = _kv(e.result, 10, numbers_only=True, limit=4)
+            lines.append(f"#{e.step} {e.tool}({params(e)}){times} -> {numbers}"[:120])
+        errors = [str(e.step) for e in old if e.status == "error"]
         if errors:
-            lines.append(
-                f"Earlier errors at steps {', '.join(map(str, errors[-8:]))} (see record)."
-            )
+            lines.append(f"Earlier errors at steps {', '.join(errors[-8:])} (see record).")
         if new:
             lines.append("Latest:")
         for e in new:
-            outcome = (
-                _kv(e.result, 60, False)[:360] if e.status == "ok" else f"ERROR {e.error}"[:240]
-            )
+            outcome = _kv(e.result, 40)[:240] if e.status == "ok" else f"ERROR {e.error}"[:240]
             lines.append(f"#{e.step} {e.tool}({params(e)}) -> {outcome}")
         return "\n".join(lines)
 

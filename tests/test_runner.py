@@ -1,0 +1,94 @@
+"""`python -m agent run` end to end with the reference policy: the record, its schema, resume."""
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from agent.context import TokenCounter
+from agent.tools import build_registry
+from agent.world_state import WorldState
+
+SCHEMA = json.loads(
+    (Path(__file__).parents[1] / "agent/schemas/world_state.schema.json").read_text()
+)
+
+
+def test_world_state_validates_and_chains(demo_run):
+    doc = json.loads(demo_run.world_state.read_text())
+    jsonschema.validate(doc, SCHEMA)
+    meta = doc["meta"]
+    assert meta["status"] == "finished" and meta["policy"] == "reference"
+    assert {"scanpy", "anndata", "numpy", "python"} <= meta["versions"].keys()
+    entries = doc["entries"]
+    assert entries[-1]["tool"] == "finish"
+    for a, b in itertools.pairwise(entries):  # the data digests form one chain
+        assert a["digest_after"] == b["digest_before"]
+    assert (demo_run.outdir / "adata.h5ad").exists()
+    assert any(e["checkpoint"] for e in entries)
+    rows = (demo_run.outdir / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == len(entries)
+
+
+def test_rendering_of_a_60_step_analysis_stays_under_1000_tokens(demo_run):
+    world = WorldState.load(demo_run.world_state)
+    real = world.entries
+    extended = WorldState(meta=world.meta)
+    while len(extended.entries) < 60:  # a long session: the same kinds of calls, repeated
+        for e in real:
+            if len(extended.entries) < 60:
+                extended.add(replace(e, step=len(extended.entries) + 1))
+    text = extended.render(defaults=build_registry().defaults())
+    assert TokenCounter().raw(text) < 1000, text
+    assert "#60 finish" in text or "#60 " in text
+
+
+def run_cmd(input_path: Path, outdir: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "agent",
+        "run",
+        "--input",
+        str(input_path),
+        "--outdir",
+        str(outdir),
+        "--sample",
+        "pbmc2",
+    ]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_result(demo_run, tmp_path):
+    outdir = tmp_path / "killed"
+    proc = subprocess.Popen(run_cmd(demo_run.input, outdir), stderr=subprocess.PIPE, text=True)
+    record = outdir / "checkpoints" / "world_state.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # kill it mid-analysis, after a checkpoint exists
+        if record.exists() and len(json.loads(record.read_text())["entries"]) >= 14:
+            break
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    (outdir / "world_state.json").unlink()  # as Snakemake does with a failed job's outputs
+    done = subprocess.run(
+        run_cmd(demo_run.input, outdir), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert "resuming after step" in done.stderr
+    resumed = WorldState.load(outdir / "world_state.json")
+    original = WorldState.load(demo_run.world_state)
+    assert resumed.meta["status"] == "finished" and resumed.meta["resumed"]
+
+    def facts(w):
+        return [(e.step, e.tool, e.params, e.result, e.status, e.digest_after) for e in w.entries]
+
+    assert facts(resumed) == facts(original)
