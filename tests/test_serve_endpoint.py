@@ -1,0 +1,127 @@
+"""Endpoint files, key files and the health wait, against a real HTTP server on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from agent.serve.endpoint import (
+    EndpointError,
+    read_api_key,
+    read_endpoint,
+    root_url,
+    wait_until_ready,
+)
+from agent.serve.launch import write_private
+
+
+class _FakeVLLM(BaseHTTPRequestHandler):
+    """/health answers once ``ready_at`` has passed; /v1/models wants the bearer key."""
+
+    ready_at = 0.0
+    key = "k"
+
+    def do_GET(self):
+        if self.path == "/health":
+            self._send(200 if time.monotonic() >= self.ready_at else 503, b"")
+        elif self.path == "/v1/models":
+            if self.headers.get("Authorization") != f"Bearer {self.key}":
+                self._send(401, b'{"error": "Unauthorized"}')
+            else:
+                self._send(200, json.dumps({"data": [{"id": "m1"}]}).encode())
+        else:
+            self._send(404, b"")
+
+    def _send(self, status, body):
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVLLM)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_wait_until_ready_waits_for_health_then_the_model(fake_server):
+    _FakeVLLM.ready_at = time.monotonic() + 1.5
+    waited = wait_until_ready(fake_server, api_key="k", model="m1", timeout_s=20, interval_s=0.2)
+    assert 1.2 < waited < 10
+
+
+def test_wait_until_ready_times_out_with_the_reason(fake_server):
+    _FakeVLLM.ready_at = 0.0
+    with pytest.raises(
+        EndpointError, match=r"not ready after \d+ s: /v1/models lists \['m1'\], not 'm2'"
+    ):
+        wait_until_ready(fake_server, api_key="k", model="m2", timeout_s=1, interval_s=0.2)
+    with pytest.raises(EndpointError, match="/v1/models answered 401"):
+        wait_until_ready(fake_server, api_key="wrong", model="m1", timeout_s=0.5, interval_s=0.2)
+
+
+def test_wait_until_ready_on_a_closed_port():
+    with pytest.raises(EndpointError, match="no answer"):
+        wait_until_ready("http://127.0.0.1:9/v1", timeout_s=0.5, interval_s=0.1)
+
+
+def test_read_endpoint_reads_the_key_file(tmp_path):
+    write_private(tmp_path / "s.key", "secret\n")
+    (tmp_path / "s.json").write_text(
+        json.dumps(
+            {
+                "url": "http://h:1/v1",
+                "model": "m",
+                "max_model_len": 4096,
+                "api_key_file": "s.key",
+                "flags": [{"name": "--enable-prefix-caching"}],
+            }
+        )
+    )
+    ep = read_endpoint(tmp_path / "s.json")
+    assert (ep.url, ep.model, ep.api_key, ep.max_model_len) == (
+        "http://h:1/v1",
+        "m",
+        "secret",
+        4096,
+    )
+    assert "secret" not in repr(ep)
+    assert (tmp_path / "s.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_key_file_readable_by_others_is_refused(tmp_path):
+    key = tmp_path / "s.key"
+    key.write_text("secret")
+    key.chmod(0o644)
+    with pytest.raises(EndpointError, match=r"mode 644 lets others read it; expected 600"):
+        read_api_key(key)
+    write_private(key, "secret")  # rewriting an existing file tightens its mode
+    assert read_api_key(key) == "secret"
+
+
+def test_bad_endpoint_files_name_the_field(tmp_path):
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps({"url": "http://h:1/v1", "model": "m", "max_model_len": "4096"}))
+    with pytest.raises(
+        EndpointError, match=r"e.json: field 'max_model_len' is '4096', expected int"
+    ):
+        read_endpoint(path)
+    with pytest.raises(EndpointError, match="No such file"):
+        read_endpoint(tmp_path / "missing.json")
+
+
+def test_root_url():
+    assert root_url("http://h:8000/v1/") == "http://h:8000"
+    assert root_url("http://h:8000") == "http://h:8000"
