@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -36,6 +37,17 @@ def char_estimate(text: str) -> int:
     # JSON-heavy agent prompts run at ~3 characters per token with BPE vocabularies; the
     # calibration factor below corrects this from the server's own counts.
     return math.ceil(len(text) / 3.0)
+
+
+def tokenizer_estimate(model_path: str | Path | None) -> Callable[[str], int] | None:
+    """Exact counts from the model's own tokenizer.json when it is on disk, else None."""
+    path = Path(model_path) / "tokenizer.json" if model_path else None
+    if path is None or not path.is_file():
+        return None
+    from tokenizers import Tokenizer  # installed with transformers/vLLM; only needed here
+
+    tok = Tokenizer.from_file(str(path))
+    return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
 
 
 class TokenCounter:

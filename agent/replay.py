@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent.runner import checksum, now, versions
+from agent.tools.session import CHECKPOINT_DIR
 from agent.world_state import Entry, WorldState, atomic_write
 
 RTOL = 1e-6
@@ -105,7 +106,7 @@ def compare_values(
             return
         for i, (a, b) in enumerate(zip(recorded, replayed, strict=True)):
             compare_values(a, b, f"{path}.{i}", tol, out)
-    elif recorded != replayed:
+    elif recorded != replayed or type(recorded) is not type(replayed):  # true is not 1 in JSON
         out.add(Difference(path, "diverged", recorded, replayed))
 
 
@@ -159,14 +160,25 @@ def compare_checkpoints(recorded: Path, replayed: Path, tol: Tolerance) -> str |
     return None
 
 
+def _checkpoint(folder: Path, recorded: str) -> Path:
+    """A recorded checkpoint path, or its namesake in the folder's checkpoints/ (results moved)."""
+    path = folder / recorded  # an absolute recorded path stays as it is
+    return path if path.is_file() else folder / CHECKPOINT_DIR / Path(recorded).name
+
+
 def compare_step(
     old: Entry,
     new: Entry | None,
     tol: Tolerance,
     dirs: tuple[Path, Path],
     relocate: tuple[str, str],
+    check_before: bool = True,
 ) -> StepComparison:
-    """One recorded successful step against its replay."""
+    """One recorded successful step against its replay.
+
+    ``check_before=False`` skips digest_before where it only repeats the previous step's
+    digest_after (it says something new only after a recorded error step changed the data).
+    """
     cmp = StepComparison(old.step, new.step if new else None, old.tool)
     if new is None:
         cmp.add(Difference("step", "diverged", old.tool, None, "the replay stopped before it"))
@@ -178,20 +190,21 @@ def compare_step(
     recorded_params = {k: new.params[k] for k in old.params if k in new.params}
     compare_values(old.params, recorded_params, "params", tol, cmp)
     compare_values(old.result, _relocate(new.result, *relocate), "result", tol, cmp)
-    for name in ("digest_before", "digest_after"):
+    for name in ("digest_before", "digest_after") if check_before else ("digest_after",):
         a, b = getattr(old, name), getattr(new, name)
         if a == b:
             continue
-        detail = "data digests differ"
         kind: Kind = "diverged"
-        if name == "digest_after" and old.checkpoint and new.checkpoint:
-            before, after = dirs[0] / old.checkpoint, dirs[1] / new.checkpoint
-            if before.is_file() and after.is_file():
-                why = compare_checkpoints(before, after, tol)
-                kind = "within tolerance" if why is None else "diverged"
-                detail += f"; checkpoints {'agree within tolerance' if why is None else why}"
-            else:
-                detail += "; no checkpoints on disk to compare the data numerically"
+        detail = "data digests differ; no checkpoints of this step on disk to compare numerically"
+        saved = (
+            (_checkpoint(dirs[0], old.checkpoint), _checkpoint(dirs[1], new.checkpoint))
+            if name == "digest_after" and old.checkpoint and new.checkpoint
+            else None
+        )
+        if saved and saved[0].is_file() and saved[1].is_file():
+            why = compare_checkpoints(*saved, tol)
+            kind = "within tolerance" if why is None else "diverged"
+            detail = f"data digests differ; checkpoints {why or 'agree within tolerance'}"
         cmp.add(Difference(name, kind, a, b, detail))
     return cmp
 
@@ -235,7 +248,7 @@ def check_input(recorded: WorldState, source: Path) -> Path:
     return path
 
 
-def _scratch(workdir: str | None) -> tuple[Path, bool]:
+def _scratch(workdir: str | Path | None) -> tuple[Path, bool]:
     """The scratch folder and whether to remove it afterwards (only one we made ourselves)."""
     if workdir is None:
         return Path(tempfile.mkdtemp(prefix="scagent-replay-")), True
@@ -257,7 +270,7 @@ def _runner_args(recorded: WorldState, source: Path, workdir: Path, n_calls: int
     argv = [
         "--input", meta["input"], "--outdir", str(workdir), "--policy", "replay",
         "--world-state", str(source), "--sample", str(meta.get("sample") or "replay"),
-        "--seed", str(meta.get("seed", 0)), "--max-steps", str(max(n_calls, 1)),
+        "--seed", str(meta.get("seed", 0)), "--max-steps", str(max(n_calls, 1)), "--fresh",
     ]  # fmt: skip
     if meta.get("context_limit"):
         argv += ["--context-limit", str(meta["context_limit"])]
@@ -265,7 +278,7 @@ def _runner_args(recorded: WorldState, source: Path, workdir: Path, n_calls: int
 
 
 def replay(
-    world_state: str | Path, workdir: str | None = None, tol: Tolerance = Tolerance()
+    world_state: str | Path, workdir: str | Path | None = None, tol: Tolerance = Tolerance()
 ) -> dict[str, Any]:
     """Replay one world state; returns the replay.json document."""
     from agent.runner import run_sample
@@ -290,15 +303,24 @@ def replay(
         dirs = (source.parent.resolve(), scratch.resolve())
         relocate = (str(dirs[1]), str(dirs[0]))
         steps = [
-            compare_step(old, replayed[i] if i < len(replayed) else None, tol, dirs, relocate)
+            compare_step(
+                old,
+                replayed[i] if i < len(replayed) else None,
+                tol,
+                dirs,
+                relocate,
+                check_before=i == 0 or calls[i - 1].digest_after != old.digest_before,
+            )
             for i, old in enumerate(calls)
         ]
     finally:
         if remove:
             shutil.rmtree(scratch, ignore_errors=True)
     text, step, summary = verdict(steps)
-    if problem and step is None:
-        text, summary = "diverged at step 1", f"the replay crashed: {problem}"
+    if problem and step is None:  # every call matched, then the run broke (e.g. writing the record)
+        step = calls[-1].step if calls else None
+        text = f"diverged at step {step}" if step else "diverged"
+        summary = f"the replay crashed after its last call: {problem}"
     return {
         "verdict": text,
         "diverged_step": step,
@@ -353,7 +375,9 @@ def main(args: argparse.Namespace) -> int:
     import orjson
 
     if args.rtol < 0 or args.atol < 0:
-        print(f"error: tolerances must be >= 0 (rtol={args.rtol}, atol={args.atol})", file=sys.stderr)
+        print(
+            f"error: tolerances must be >= 0 (rtol={args.rtol}, atol={args.atol})", file=sys.stderr
+        )
         return 2
     try:
         doc = replay(args.world_state, args.workdir, Tolerance(args.rtol, args.atol))

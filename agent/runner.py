@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from agent.context import ContextManager
+from agent.context import ContextManager, TokenCounter, tokenizer_estimate
 from agent.loop import run_loop
 from agent.policies.base import Policy
 from agent.prompts import BRIEF, RESUMED, SYSTEM_PROMPT
@@ -61,12 +61,15 @@ def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def make_policy(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Policy, int | None]:
-    """The policy the user asked for, and the server's context limit when it tells one."""
+def make_policy(
+    args: argparse.Namespace, meta: dict[str, Any]
+) -> tuple[Policy, int | None, str | None]:
+    """The policy the user asked for, the server's context limit when it tells one, and where
+    the model's tokenizer lies when it is on this file system."""
     if args.policy == "reference":
         from agent.policies.reference import ReferencePolicy
 
-        return ReferencePolicy(), None
+        return ReferencePolicy(), None, None
     if args.policy == "replay":
         from agent.policies.replay import ReplayPolicy
 
@@ -74,7 +77,7 @@ def make_policy(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Policy,
             raise SystemExit(
                 "--policy replay needs --world-state FILE (the recorded run to replay)"
             )
-        return ReplayPolicy(WorldState.load(args.world_state)), None
+        return ReplayPolicy(WorldState.load(args.world_state)), None, None
     from agent.policies.llm import LLMPolicy
     from agent.serve.endpoint import read_endpoint, wait_until_ready
 
@@ -82,17 +85,26 @@ def make_policy(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Policy,
         ep = read_endpoint(args.endpoint_file)
         url, model, key = ep.url, ep.model, ep.api_key
         meta["server_flags"] = ep.flags
+        tokenizer = args.tokenizer or ep.info.get("model_path")
     elif args.base_url and args.model:
         url, model = args.base_url, args.model
         key = Path(args.api_key_file).read_text().strip() if args.api_key_file else "EMPTY"
+        tokenizer = args.tokenizer
     else:
         raise SystemExit(
             "--policy llm needs --endpoint-file FILE, or --base-url URL and --model NAME"
         )
     meta["model"] = model
     wait_until_ready(url, api_key=key, model=model, timeout_s=args.server_wait)
-    policy = LLMPolicy(url, model, api_key=key, timeout=args.request_timeout, seed=args.seed)
-    return policy, policy.context_limit()
+    policy = LLMPolicy(
+        url,
+        model,
+        api_key=key,
+        timeout=args.request_timeout,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    return policy, policy.context_limit(), tokenizer
 
 
 def resume_point(outdir: Path, input_sha256: str, fresh: bool) -> WorldState | None:
@@ -157,14 +169,15 @@ def run_sample(args: argparse.Namespace) -> str:
         status="running",
     )
     meta.pop("error", None)
-    policy, server_limit = make_policy(args, meta)
+    policy, server_limit, tokenizer = make_policy(args, meta)
     meta["context_limit"] = server_limit or args.context_limit
     registry = build_registry()
     context = ContextManager(
         SYSTEM_PROMPT,
         registry.schemas(),
         meta["context_limit"],
-        completion_reserve=args.completion_reserve,
+        completion_reserve=args.max_tokens,
+        counter=TokenCounter(tokenizer_estimate(tokenizer)),
     )
     context.add_user(BRIEF.format(sample=sample, input=input_path.name, brief=args.brief or ""))
     session = Session(outdir, seed=args.seed, input_path=input_path)
@@ -219,7 +232,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=32768,
         help="used when the server does not report max_model_len",
     )
-    p.add_argument("--completion-reserve", type=int, default=1024)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1024,
+        help="completion limit per reply, reserved in the context budget",
+    )
+    p.add_argument("--tokenizer", help="model folder with tokenizer.json, for exact local counts")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument(
         "--server-wait", type=float, default=600.0, help="seconds to wait for server health"

@@ -17,6 +17,8 @@ import orjson
 
 SCHEMA_VERSION = 1
 _OPTS = orjson.OPT_SERIALIZE_NUMPY
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 # The record sits beside the results and, as a copy, beside the checkpoints: Snakemake deletes the
 # declared outputs of a failed job, so a resumed job reads the copy that it does not own.
 RECORD_NAMES = ("world_state.json", "checkpoints/world_state.json")
@@ -43,6 +45,7 @@ def atomic_write(path: str | Path, data: bytes | list[bytes]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a result file is as readable as any
         with os.fdopen(fd, "wb") as f:
             f.writelines([data] if isinstance(data, bytes) else data)
             f.flush()

@@ -1,7 +1,7 @@
 """A real vLLM server (CPU backend) for the whole test session, started through ``python -m agent serve``.
 
 One server serves every test that asks for ``vllm_server``: it starts once (about a minute on two
-cores), serves the tiny random-weight model of tests/tiny_model.py with ``--max-model-len 4096``,
+cores), serves the tiny random-weight model of tests/tiny_model.py with ``--max-model-len 16384``,
 and is stopped with SIGTERM at the end of the session; the teardown fails if it does not stop.
 A start-up failure is remembered, so later tests fail at once with the same log tail instead of
 starting again.
@@ -25,7 +25,7 @@ from agent.serve.endpoint import Endpoint, http_json, read_endpoint, root_url
 from tests.tiny_model import build_tiny_model
 
 SERVED_NAME = "tiny-qwen3"
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = 16384  # room for the real tool schemas (~6K tokens) and a history to cut
 START_TIMEOUT_S = 900  # cold start on a loaded 2-core machine; it is ~40-90 s when idle
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,0 +1,154 @@
+"""`python -m agent report`: the cohort report from the samples' world states and replays.
+
+Writes into OUTDIR: cohort.tsv (one row per sample: provenance, outcomes, every parameter
+chosen, drift and outlier flags), index.html (self-contained: figures embedded as PNG, a section
+per sample with its steps, plots and replay verdict) and ro-crate/ (a Workflow Run RO-Crate).
+A sample that failed, or whose world state is missing or unreadable, is shown as failed; it
+never stops the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import orjson
+
+from agent.report.collect import Sample, load_sample
+from agent.report.drift import FLOOR, THRESHOLD, Flag
+from agent.world_state import atomic_write
+
+
+def match_replays(world_states: list[Path], replays: list[Path]) -> dict[Path, Path]:
+    """world state -> its replay.json: the one in the same folder, else the one naming it."""
+    by_folder = {p.parent.resolve(): p for p in replays}
+    by_source: dict[Path, Path] = {}
+    for p in replays:
+        if p.parent.resolve() in {w.parent.resolve() for w in world_states}:
+            continue
+        try:
+            source = orjson.loads(p.read_bytes()).get("world_state")
+        except (OSError, orjson.JSONDecodeError, AttributeError):
+            continue
+        if source:
+            by_source[Path(source).resolve()] = p
+    matched = {}
+    for w in world_states:
+        found = by_folder.get(w.parent.resolve()) or by_source.get(w.resolve())
+        if found is not None:
+            matched[w] = found
+    return matched
+
+
+def publish(path: Path, data: bytes) -> None:
+    """Write atomically, readable by all: a report is for people other than its writer."""
+    atomic_write(path, data)
+    path.chmod(0o644)
+
+
+def _flags_text(flags: list[Flag], sample: str) -> str | None:
+    return "; ".join(str(f) for f in flags if f.sample == sample) or None
+
+
+def build_report(
+    world_states: list[Path],
+    replays: list[Path],
+    outdir: Path,
+    truth_dir: Path | None = None,
+    threshold: float = THRESHOLD,
+    floor: float = FLOOR,
+    workflow_root: Path = Path("."),
+) -> list[Sample]:
+    """Write cohort.tsv, index.html and ro-crate/ into ``outdir``; returns the samples read."""
+    from agent.report.cohort import build_table, parameter_columns
+    from agent.report.crate import write_crate
+    from agent.report.drift import flag_cohort
+    from agent.report.html import render
+    from agent.report.plots import cohort_figures
+
+    replay_of = match_replays(world_states, replays)
+    samples = [load_sample(w, replay_of.get(w), truth_dir) for w in world_states]
+    seen: dict[str, Path] = {}
+    for s in samples:
+        if s.name in seen:
+            raise ValueError(
+                f"sample name {s.name!r} appears twice: {seen[s.name]} and {s.world_state}"
+            )
+        seen[s.name] = s.world_state
+    table = build_table(samples)
+    parameters = parameter_columns(table)
+    drift, outliers = flag_cohort(table, parameters, threshold, floor)
+    table["drift"] = [_flags_text(drift, s) for s in table["sample"]]
+    table["outliers"] = [_flags_text(outliers, s) for s in table["sample"]]
+    outdir.mkdir(parents=True, exist_ok=True)
+    publish(outdir / "cohort.tsv", table.to_csv(sep="\t", index=False).encode())
+    figures = cohort_figures(table, samples, parameters, drift)
+    page = render(table, samples, parameters, drift, outliers, figures, threshold, floor)
+    publish(outdir / "index.html", page.encode())
+    write_crate(outdir, samples, [outdir / "cohort.tsv", outdir / "index.html"], workflow_root)
+    return samples
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--world-states", nargs="+", required=True, type=Path, metavar="FILE",
+        help="the samples' world_state.json files (missing ones are reported as failed)",
+    )  # fmt: skip
+    p.add_argument(
+        "--replays", nargs="*", default=[], type=Path, metavar="FILE",
+        help="replay.json files (default: replay.json beside each world state, where present)",
+    )  # fmt: skip
+    p.add_argument(
+        "--truth-dir", type=Path,
+        help="folder with DIR/SAMPLE/truth.tsv or DIR/SAMPLE.tsv (default: truth.tsv beside "
+        "each sample's input, where present)",
+    )  # fmt: skip
+    p.add_argument("--outdir", required=True, type=Path, help="e.g. results/report")
+    p.add_argument(
+        "--drift-mads", type=float, default=THRESHOLD,
+        help="flag values further than this many MADs from the cohort median",
+    )  # fmt: skip
+    p.add_argument(
+        "--drift-floor", type=float, default=FLOOR,
+        help="the MAD counts as at least this fraction of the median",
+    )  # fmt: skip
+    p.add_argument(
+        "--workflow-root", type=Path, default=Path("."),
+        help="folder with the Snakefile, for the RO-Crate (default: the current folder)",
+    )  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.drift_mads <= 0 or args.drift_floor < 0:
+        print(
+            f"error: --drift-mads must be > 0 and --drift-floor >= 0 "
+            f"(got {args.drift_mads}, {args.drift_floor})",
+            file=sys.stderr,
+        )
+        return 2
+    missing = [str(p) for p in args.replays if not p.is_file()]
+    if missing:
+        print(f"note: replay files not found (shown as not replayed): {missing}", file=sys.stderr)
+    if args.truth_dir is not None and not args.truth_dir.is_dir():
+        print(f"error: --truth-dir {args.truth_dir} is not a folder", file=sys.stderr)
+        return 2
+    try:
+        samples = build_report(
+            args.world_states,
+            [p for p in args.replays if p.is_file()],
+            args.outdir,
+            args.truth_dir,
+            args.drift_mads,
+            args.drift_floor,
+            args.workflow_root,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    failed = [s.name for s in samples if s.failed]
+    print(
+        f"report of {len(samples)} samples ({len(failed)} failed{': ' + ', '.join(failed) if failed else ''})"
+        f" in {args.outdir}/index.html, cohort.tsv and ro-crate/"
+    )
+    return 0

@@ -1,0 +1,143 @@
+"""The cohort table: one row per sample, outcomes first, then every parameter the analysis chose."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pandas as pd
+
+from agent.report.collect import Sample, seconds_between
+
+# Tools whose parameters are bookkeeping (file names, prose), not analysis choices.
+NOT_CHOICES = frozenset({"plot", "save", "finish"})
+CELL_FILTERS = ("filter_cells", "filter_by_qc")
+OUTCOME_COLUMNS = (
+    "sample", "status", "error", "drift", "outliers", "input", "input_sha256", "policy", "model",
+    "server_flags", "seed", "steps", "errors", "iterations", "seconds", "decide_seconds",
+    "tool_seconds", "prompt_tokens", "completion_tokens", "cached_tokens", "cached_ratio",
+    "truncations", "cells_before", "genes_before", "cells_after", "genes_after",
+    "cells_kept_fraction", "cells_removed_qc", "doublets_removed", "clusters", "labels",
+    "replay", "ari", "doublet_recall", "damaged_removed", "planted_types",
+)  # fmt: skip
+
+
+def _total(values: list[Any]) -> int | float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def _result(sample: Sample, tool: str, key: str) -> Any:
+    entry = sample.last_ok(tool)
+    return (entry.result or {}).get(key) if entry else None
+
+
+def _sum_results(sample: Sample, tools: tuple[str, ...], key: str) -> Any:
+    return _total(
+        [(e.result or {}).get(key) for e in sample.entries if e.status == "ok" and e.tool in tools]
+    )
+
+
+def chosen_parameters(sample: Sample) -> dict[str, Any]:
+    """``tool.param`` -> value of the last successful call of each analysis tool, in call order."""
+    latest = {e.tool: e for e in sample.entries if e.status == "ok" and e.tool not in NOT_CHOICES}
+    ordered = sorted(latest.values(), key=lambda e: e.step)
+    return {f"{e.tool}.{k}": v for e in ordered for k, v in e.params.items()}
+
+
+def labels_found(sample: Sample) -> str | None:
+    """Cell-type labels of the final annotation, largest first."""
+    sizes = _result(sample, "annotate_clusters", "label_sizes") or _result(
+        sample, "finish", "cell_type_sizes"
+    )
+    if not sizes:
+        return None
+    return "; ".join(k for k, _ in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _run_row(sample: Sample) -> dict[str, Any]:
+    """Provenance and cost of the run: record, metrics and replay."""
+    meta, rows = sample.meta, sample.metrics
+    prompt = _total([r.get("prompt_tokens") for r in rows])
+    cached = _total([r.get("cached_tokens") for r in rows])
+    truncations = meta.get("truncations")
+    if truncations is None and rows:
+        truncations = sum(1 for r in rows if r.get("truncated_messages"))
+    flags = meta.get("server_flags")
+    return {
+        "sample": sample.name,
+        "status": sample.status,
+        "error": sample.error,
+        "input": meta.get("input"),
+        "input_sha256": meta.get("input_sha256"),
+        "policy": meta.get("policy"),
+        "model": meta.get("model"),
+        "server_flags": orjson.dumps(flags).decode() if flags else None,
+        "seed": meta.get("seed"),
+        "steps": len(sample.entries) if sample.world else None,
+        "errors": sum(e.status == "error" for e in sample.entries) if sample.world else None,
+        "iterations": len(rows) if rows else None,
+        "seconds": seconds_between(meta.get("started"), meta.get("ended")),
+        "decide_seconds": _round(_total([r.get("decide_seconds") for r in rows])),
+        "tool_seconds": _round(_total([r.get("tool_seconds") for r in rows])),
+        "prompt_tokens": prompt,
+        "completion_tokens": _total([r.get("completion_tokens") for r in rows]),
+        "cached_tokens": cached,
+        "cached_ratio": round(cached / prompt, 4) if prompt and cached is not None else None,
+        "truncations": truncations,
+        "replay": (sample.replay or {}).get("verdict", "not replayed"),
+    }
+
+
+def _round(x: float | None, digits: int = 2) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def row(sample: Sample) -> dict[str, Any]:
+    """The sample's outcomes and choices, as the cohort table shows them."""
+    out = _run_row(sample)
+    before = _result(sample, "load_data", "n_cells")
+    after = _result(sample, "finish", "n_cells")
+    if after is None and sample.final_obs is not None:
+        after = len(sample.final_obs)
+    scores = sample.scores or {}
+    out.update(
+        cells_before=before,
+        genes_before=_result(sample, "load_data", "n_genes"),
+        cells_after=after,
+        genes_after=_result(sample, "finish", "n_genes"),
+        cells_kept_fraction=round(after / before, 4) if before and after is not None else None,
+        cells_removed_qc=_sum_results(sample, CELL_FILTERS, "removed"),
+        doublets_removed=_sum_results(sample, ("remove_doublets",), "removed"),
+        clusters=_result(sample, "leiden", "n_clusters") or _result(sample, "finish", "n_clusters"),
+        labels=labels_found(sample),
+        ari=scores.get("ari"),
+        doublet_recall=scores.get("doublet_recall"),
+        damaged_removed=scores.get("damaged_removed"),
+        planted_types=scores.get("planted_types"),
+    )
+    return {**out, **chosen_parameters(sample)}
+
+
+def _cell(value: Any) -> Any:
+    """Lists and mappings as compact JSON in a table cell."""
+    return orjson.dumps(value).decode() if isinstance(value, list | dict | tuple) else value
+
+
+def build_table(samples: list[Sample]) -> pd.DataFrame:
+    """One row per sample; parameter columns in pipeline order, those never set left out."""
+    rows = [row(s) for s in samples]
+    params: dict[str, None] = {}
+    for r in rows:
+        params.update({k: None for k in r if k not in OUTCOME_COLUMNS})
+    frame = pd.DataFrame(
+        [{k: _cell(r.get(k)) for k in (*OUTCOME_COLUMNS, *params)} for r in rows],
+        columns=[*OUTCOME_COLUMNS, *params],
+        dtype=object,  # integers stay integers beside missing values
+    )
+    empty = [c for c in params if frame[c].isna().all()]
+    return frame.drop(columns=empty)
+
+
+def parameter_columns(table: pd.DataFrame) -> list[str]:
+    return [c for c in table.columns if c not in OUTCOME_COLUMNS]

@@ -1,0 +1,181 @@
+"""Everything the report knows about one sample, read from its folder; never raises for a sample.
+
+A sample's folder holds world_state.json, metrics.jsonl, adata.h5ad, plots/*.png and, after the
+replay rule, replay.json. Whatever is missing or unreadable becomes a problem noted on the
+sample (shown as failed in the report), never an exception that would lose the other samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pandas as pd
+
+from agent.report.truth import read_truth, score
+from agent.world_state import Entry, WorldState
+
+FINAL_FILE = "adata.h5ad"
+METRICS_FILE = "metrics.jsonl"
+REPLAY_FILE = "replay.json"
+TRUTH_FILE = "truth.tsv"
+PLOTS_DIR = "plots"
+CLUSTER_KEY = "leiden"
+
+
+@dataclass
+class Sample:
+    name: str
+    folder: Path
+    world_state: Path
+    status: str  # the run's meta.status, or "missing" / "unreadable"
+    world: WorldState | None = None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    replay: dict[str, Any] | None = None
+    replay_path: Path | None = None
+    truth_path: Path | None = None
+    scores: dict[str, Any] | None = None
+    final: Path | None = None
+    final_obs: pd.DataFrame | None = None
+    plots: list[Path] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.world.meta if self.world else {}
+
+    @property
+    def entries(self) -> list[Entry]:
+        return self.world.entries if self.world else []
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "finished"
+
+    @property
+    def error(self) -> str | None:
+        """Why the sample failed, in one line, or None."""
+        if not self.failed:
+            return None
+        return self.meta.get("error") or "; ".join(self.problems) or f"run status {self.status}"
+
+    def last_ok(self, tool: str) -> Entry | None:
+        return self.world.last_ok(tool) if self.world else None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl rows; a line cut off by a crash ends the list instead of failing it."""
+    rows = []
+    for line in path.read_bytes().splitlines():
+        try:
+            rows.append(orjson.loads(line))
+        except orjson.JSONDecodeError:
+            break
+    return rows
+
+
+def read_replay(path: Path) -> dict[str, Any]:
+    """replay.json as `agent replay` writes it, or ValueError saying what it lacks."""
+    doc = orjson.loads(path.read_bytes())
+    if not isinstance(doc, dict) or not isinstance(doc.get("verdict"), str):
+        raise ValueError("not a replay record (expected an object with a 'verdict' string)")
+    if not isinstance(doc.get("steps", []), list):
+        raise ValueError("its 'steps' is not a list")
+    return doc
+
+
+def read_obs(path: Path) -> pd.DataFrame:
+    """Only the cell annotations of an .h5ad (fast: the matrix is never read)."""
+    import h5py
+    from anndata.io import read_elem
+
+    with h5py.File(path, "r") as f:
+        return read_elem(f["obs"])
+
+
+def find_truth(sample: str, input_path: str | None, truth_dir: Path | None) -> Path | None:
+    """truth.tsv in --truth-dir (DIR/SAMPLE/truth.tsv or DIR/SAMPLE.tsv), else beside the input."""
+    candidates = []
+    if truth_dir is not None:
+        candidates += [truth_dir / sample / TRUTH_FILE, truth_dir / f"{sample}.tsv"]
+    if input_path:
+        data = Path(input_path)
+        candidates.append((data if data.is_dir() else data.parent) / TRUTH_FILE)
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def seconds_between(start: str | None, end: str | None) -> float | None:
+    try:
+        return round(
+            (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds(), 1
+        )  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def load_sample(
+    world_state: Path, replay_path: Path | None = None, truth_dir: Path | None = None
+) -> Sample:
+    folder = world_state.parent
+    sample = Sample(folder.name, folder, world_state, "missing")
+    if not world_state.is_file():
+        sample.problems.append(
+            f"no world state at {world_state}: the analysis did not run or was lost"
+        )
+        return sample
+    try:
+        sample.world = WorldState.load(world_state)
+    except ValueError as e:
+        sample.status = "unreadable"
+        sample.problems.append(str(e))
+        return sample
+    sample.name = str(sample.meta.get("sample") or folder.name)
+    sample.status = str(sample.meta.get("status") or "unknown")
+
+    def attempt(what: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as e:  # one bad artifact must not lose the sample, nor the cohort
+            sample.problems.append(f"{what}: {type(e).__name__}: {e}")
+            return None
+
+    if (folder / METRICS_FILE).is_file():
+        sample.metrics = attempt(METRICS_FILE, lambda: read_metrics(folder / METRICS_FILE)) or []
+    replay_path = replay_path or folder / REPLAY_FILE
+    if replay_path.is_file():
+        sample.replay_path = replay_path
+        sample.replay = attempt(str(replay_path), lambda: read_replay(replay_path))
+    if (folder / FINAL_FILE).is_file():
+        sample.final = folder / FINAL_FILE
+        sample.final_obs = attempt(str(sample.final), lambda: read_obs(folder / FINAL_FILE))
+    if (folder / PLOTS_DIR).is_dir():
+        sample.plots = plots_in_order(sample)
+    sample.truth_path = find_truth(sample.name, sample.meta.get("input"), truth_dir)
+    if sample.truth_path and sample.final_obs is not None:
+        key = cluster_key(sample)
+        sample.scores = attempt(
+            str(sample.truth_path),
+            lambda: score(sample.final_obs, read_truth(sample.truth_path), key),
+        )
+    return sample
+
+
+def plots_in_order(sample: Sample) -> list[Path]:
+    """The sample's PNGs in the order the analysis drew them, then any others by name."""
+    drawn = [
+        sample.folder / str(e.result["path"])
+        for e in sample.entries
+        if e.tool == "plot" and e.status == "ok" and (e.result or {}).get("path")
+    ]
+    found = sorted((sample.folder / PLOTS_DIR).glob("*.png"))
+    ordered = [p for p in dict.fromkeys(drawn) if p in found]
+    return ordered + [p for p in found if p not in ordered]
+
+
+def cluster_key(sample: Sample) -> str:
+    """The obs column the final Leiden call wrote."""
+    leiden = sample.last_ok("leiden")
+    return str((leiden.params.get("key_added") if leiden else None) or CLUSTER_KEY)

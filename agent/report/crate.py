@@ -1,0 +1,218 @@
+"""The provenance export: a Workflow Run RO-Crate of the cohort run (the `rocrate` package).
+
+The crate (``ro-crate/`` beside the report) holds copies of the small artifacts (world states,
+replays, metrics, the cohort table and page, the workflow's Snakefile and rules) and refers to
+the large ones (inputs, final AnnData objects) by absolute ``file://`` URI with their size and,
+for inputs, the sha256 the world state recorded. Each sample's analysis and replay is a
+CreateAction whose instrument is the agent with its package versions; the cohort run is one more
+CreateAction whose instrument is the workflow (Workflow Run Crate profile 0.5).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from rocrate.model.contextentity import ContextEntity
+from rocrate.model.softwareapplication import SoftwareApplication
+from rocrate.rocrate import ROCrate
+
+from agent.report.collect import METRICS_FILE, Sample
+from agent.runner import versions
+
+PROFILES = {
+    "https://w3id.org/ro/wfrun/process/0.5": "Process Run Crate",
+    "https://w3id.org/ro/wfrun/workflow/0.5": "Workflow Run Crate",
+}
+WORKFLOW_FILES = ("Snakefile", "workflow/rules/*.smk", "workflow/schemas/*", "config/*")
+STATUS = {
+    True: "http://schema.org/CompletedActionStatus",
+    False: "http://schema.org/FailedActionStatus",
+}
+
+
+def _uri(path: Path) -> str:
+    return path.resolve().as_uri()
+
+
+def _software(crate: ROCrate, versions: dict[str, str]) -> list[ContextEntity]:
+    """One SoftwareApplication per package and version (shared between samples that agree)."""
+    out = []
+    for name, version in sorted(versions.items()):
+        ident = f"#software/{name}/{version}"
+        entity = crate.get(ident) or crate.add(
+            SoftwareApplication(crate, ident, properties={"name": name, "version": version})
+        )
+        out.append(entity)
+    return out
+
+
+def _agent(crate: ROCrate, versions: dict[str, str]) -> ContextEntity:
+    version = versions.get("scagent", "unknown")
+    ident = f"#scagent/{version}"
+    agent = crate.get(ident)
+    if agent is None:
+        agent = crate.add(
+            SoftwareApplication(
+                crate,
+                ident,
+                properties={
+                    "name": "scagent (python -m agent)",
+                    "version": version,
+                    "description": "LLM agent loop with scanpy tools; the policy decides, the "
+                    "world state records every call",
+                },
+            )
+        )
+        agent["softwareRequirements"] = _software(
+            crate, {k: v for k, v in versions.items() if k != "scagent"}
+        )
+    return agent
+
+
+def _add_workflow(crate: ROCrate, root: Path) -> ContextEntity | None:
+    snakefile = root / "Snakefile"
+    if not snakefile.is_file():
+        return None
+    workflow = crate.add_workflow(
+        snakefile,
+        "Snakefile",  # the repository's layout, so the crate's copy runs as it is
+        main=True,
+        lang="snakemake",
+        lang_version=metadata.version("snakemake"),
+        properties={"name": "scagent cohort workflow"},
+    )
+    parts = []
+    for pattern in WORKFLOW_FILES[1:]:
+        for f in sorted(root.glob(pattern)):
+            if f.is_file():
+                parts.append(crate.add_file(f, str(f.relative_to(root))))
+    if parts:
+        workflow["hasPart"] = parts
+    return workflow
+
+
+def _sample_actions(
+    crate: ROCrate, sample: Sample, agent_for: Any
+) -> tuple[list[ContextEntity], list[Any], list[Any]]:
+    """Analysis and replay actions of one sample; (actions, inputs, outputs)."""
+    meta, base = sample.meta, f"samples/{re.sub(r'[^A-Za-z0-9._-]+', '_', sample.name)}"
+    inputs: list[Any] = []
+    if meta.get("input"):
+        path = Path(meta["input"])
+        props = {"name": f"input of {sample.name}", "sha256": meta.get("input_sha256")}
+        inputs.append(
+            crate.add_dataset(_uri(path), properties=props)
+            if path.is_dir()
+            else crate.add_file(_uri(path), properties=props)
+        )
+    outputs: list[Any] = []
+    if sample.world_state.is_file():
+        outputs.append(
+            crate.add_file(
+                sample.world_state,
+                f"{base}/world_state.json",
+                properties={"name": f"world state of {sample.name}",
+                            "encodingFormat": "application/json"},
+            )
+        )  # fmt: skip
+    if (sample.folder / METRICS_FILE).is_file():
+        outputs.append(crate.add_file(sample.folder / METRICS_FILE, f"{base}/{METRICS_FILE}"))
+    if sample.final is not None:
+        outputs.append(
+            crate.add_file(
+                _uri(sample.final),
+                properties={"name": f"final AnnData of {sample.name}",
+                            "contentSize": sample.final.stat().st_size},
+            )
+        )  # fmt: skip
+    instrument = agent_for(meta.get("versions") or versions())  # never ran: today's software
+    analysis = crate.add_action(
+        instrument,
+        f"#analyze-{sample.name}",
+        object=inputs,
+        result=outputs,
+        properties={
+            "name": f"analyse {sample.name} ({meta.get('policy', 'unknown')} policy)",
+            "actionStatus": {"@id": STATUS[not sample.failed]},
+            **({"startTime": meta["started"]} if meta.get("started") else {}),
+            **({"endTime": meta["ended"]} if meta.get("ended") else {}),
+            **({"error": sample.error} if sample.error else {}),
+            **({"description": f"model {meta['model']}"} if meta.get("model") else {}),
+        },
+    )
+    actions = [analysis]
+    if sample.replay is not None and sample.replay_path is not None:
+        replay_file = crate.add_file(sample.replay_path, f"{base}/replay.json")
+        actions.append(
+            crate.add_action(
+                instrument,
+                f"#replay-{sample.name}",
+                object=[*outputs[:1], *inputs],
+                result=[replay_file],
+                properties={
+                    "name": f"replay {sample.name}: {sample.replay.get('verdict')}",
+                    "description": sample.replay.get("summary", ""),
+                    "actionStatus": {"@id": STATUS[sample.replay.get("diverged_step") is None]},
+                    **(
+                        {"startTime": sample.replay["started"]}
+                        if sample.replay.get("started")
+                        else {}
+                    ),
+                },
+            )
+        )
+        outputs.append(replay_file)
+    return actions, inputs, outputs
+
+
+def write_crate(
+    outdir: Path, samples: list[Sample], report_files: list[Path], workflow_root: Path
+) -> Path:
+    """Write ``outdir/ro-crate/``; returns the path of its ro-crate-metadata.json."""
+    target = outdir / "ro-crate"
+    if target.exists():
+        shutil.rmtree(target)  # a crate describes one run: never mix in files of an earlier one
+    crate = ROCrate(version="1.1")  # the version the Workflow Run Crate profiles build on
+    crate.name = f"scagent cohort run: {len(samples)} samples"
+    crate.description = (
+        "Single-cell RNA-seq samples analysed by scanpy tool-calling agents, with each run's "
+        "world state (every tool call, its exact parameters, results and data digests), its "
+        "replay, and the cohort report."
+    )
+    crate.license = "MIT"
+    profiles = [
+        crate.add(ContextEntity(crate, uri, properties={"@type": "CreativeWork", "name": name,
+                                                        "version": uri.rsplit("/", 1)[-1]}))
+        for uri, name in PROFILES.items()
+    ]  # fmt: skip
+    workflow = _add_workflow(crate, workflow_root)
+    for p in profiles:
+        crate.root_dataset.append_to("conformsTo", p)
+    actions, inputs, outputs = [], [], []
+    for s in samples:
+        a, i, o = _sample_actions(crate, s, lambda v: _agent(crate, v))
+        actions += a
+        inputs += i
+        outputs += o
+    report = [crate.add_file(f, f.name) for f in report_files if f.is_file()]
+    started = sorted(s.meta["started"] for s in samples if s.meta.get("started"))
+    run = crate.add_action(
+        workflow or _agent(crate, versions()),
+        "#cohort-run",
+        object=inputs,
+        result=[*outputs, *report],
+        properties={
+            "name": f"cohort run of {len(samples)} samples",
+            "actionStatus": {"@id": STATUS[all(not s.failed for s in samples)]},
+            "endTime": datetime.now(UTC).isoformat(timespec="seconds"),
+            **({"startTime": started[0]} if started else {}),
+        },
+    )
+    crate.root_dataset["mentions"] = [run, *actions]
+    crate.write(target)
+    return target / "ro-crate-metadata.json"

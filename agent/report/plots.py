@@ -1,0 +1,230 @@
+"""The cohort's figures, drawn with matplotlib and embedded in the page as base64 PNG."""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on cluster nodes; must precede pyplot
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from agent.report.collect import Sample
+from agent.report.drift import Flag, numeric
+
+KEPT, REMOVED, FAILED, FLAGGED, MEDIAN = "#2b6cb0", "#cbd5e0", "#c53030", "#dd6b20", "#718096"
+QC_TOOLS = ("filter_cells", "filter_genes", "filter_by_qc")
+plt.rcParams.update(
+    {
+        "font.size": 9,
+        "axes.spines.top": False,
+        "axes.spines.right": False,
+        "axes.titlesize": 10,
+        "axes.titleweight": "bold",
+        "figure.dpi": 110,
+        "svg.fonttype": "none",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Figure:
+    title: str
+    caption: str
+    png: str  # base64
+
+
+def encode(fig: plt.Figure) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def png_file(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def _height(n: int) -> float:
+    return 1.2 + 0.32 * max(n, 3)
+
+
+def _values(table: pd.DataFrame, col: str) -> np.ndarray:
+    return pd.to_numeric(table[col], errors="coerce").to_numpy(dtype=float)
+
+
+def cells_kept(table: pd.DataFrame) -> Figure:
+    names = list(table["sample"])
+    before, after = _values(table, "cells_before"), _values(table, "cells_after")
+    fig, ax = plt.subplots(figsize=(7, _height(len(names))))
+    y = np.arange(len(names))[::-1]
+    ax.barh(y, np.nan_to_num(before), color=REMOVED, label="removed")
+    ax.barh(y, np.nan_to_num(after), color=KEPT, label="kept")
+    for yi, b, a, status in zip(y, before, after, table["status"], strict=True):
+        if status != "finished":
+            ax.text(max(np.nan_to_num(b), 0), yi, f"  {status}", va="center", color=FAILED)
+        elif b > 0 and not np.isnan(a):
+            ax.text(b, yi, f"  {a:.0f} of {b:.0f} ({a / b:.0%})", va="center")
+    ax.set_yticks(y, names)
+    ax.set_xlabel("cells (barcodes loaded, and kept in the final object)")
+    ax.set_xlim(0, np.nanmax(np.r_[before, 1]) * 1.35)
+    ax.legend(loc="lower right", frameon=False)
+    ax.set_title("Cells kept per sample")
+    return Figure(
+        "Cells kept per sample",
+        "Barcodes loaded (grey) and cells left after QC and doublet removal (blue).",
+        encode(fig),
+    )
+
+
+def qc_thresholds(table: pd.DataFrame, parameters: list[str], drift: list[Flag]) -> Figure | None:
+    cols = [c for c in parameters if c.split(".")[0] in QC_TOOLS and numeric(table[c]) is not None]
+    if not cols:
+        return None
+    flagged = {(f.sample, f.column) for f in drift}
+    names = list(table["sample"])
+    ncol = min(3, len(cols))
+    nrow = -(-len(cols) // ncol)
+    fig, axes = plt.subplots(
+        nrow, ncol, figsize=(3.2 * ncol, 0.6 + nrow * (0.9 + 0.22 * len(names))), squeeze=False
+    )
+    y = np.arange(len(names))[::-1]
+    for ax, col in zip(axes.flat, cols, strict=False):
+        x = _values(table, col)
+        colors = [FLAGGED if (s, col) in flagged else KEPT for s in names]
+        ax.scatter(x, y, c=colors, s=28, zorder=3)
+        if np.isfinite(x).any():
+            ax.axvline(np.nanmedian(x), color=MEDIAN, ls="--", lw=1, zorder=1)
+        ax.set_yticks(y, names)
+        ax.set_title(col, fontsize=9)
+        ax.grid(axis="x", color="#edf2f7")
+    for ax in list(axes.flat)[len(cols) :]:
+        ax.remove()
+    fig.tight_layout()
+    return Figure(
+        "QC thresholds across the cohort",
+        "Each threshold chosen per sample; dashed: cohort median; orange: drift flag.",
+        encode(fig),
+    )
+
+
+def clusters(table: pd.DataFrame) -> Figure:
+    names = list(table["sample"])
+    n, ari = _values(table, "clusters"), _values(table, "ari")
+    planted = _values(table, "planted_types")
+    fig, ax = plt.subplots(figsize=(7, _height(len(names))))
+    y = np.arange(len(names))[::-1]
+    ax.barh(y, np.nan_to_num(n), color=KEPT, label="clusters found")
+    if np.isfinite(planted).any():
+        ax.scatter(planted, y, marker="|", s=300, color=FAILED, zorder=3, label="planted types")
+    for yi, k, a, status in zip(y, n, ari, table["status"], strict=True):
+        if status != "finished":
+            ax.text(0, yi, f"  {status}", va="center", color=FAILED)
+        elif not np.isnan(k):
+            ax.text(
+                k, yi, f"  {k:.0f}" + (f"  (ARI {a:.2f})" if not np.isnan(a) else ""), va="center"
+            )
+    ax.set_yticks(y, names)
+    ax.set_xlabel("clusters")
+    ax.set_xlim(0, np.nanmax(np.r_[n, planted, 1]) * 1.45)
+    ax.legend(loc="lower right", frameon=False)
+    ax.set_title("Clusters per sample")
+    return Figure(
+        "Clusters per sample",
+        "Leiden clusters in the final object; where a truth table exists, the number of planted "
+        "cell types and the adjusted Rand index of clusters against them.",
+        encode(fig),
+    )
+
+
+def _per_iteration(samples: list[Sample], key: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    series = {}
+    for s in samples:
+        pairs = [(i + 1, r.get(key)) for i, r in enumerate(s.metrics)]
+        pairs = [(i, v) for i, v in pairs if v is not None]
+        if pairs:
+            x, v = zip(*pairs, strict=True)
+            series[s.name] = (np.asarray(x), np.asarray(v, dtype=float))
+    return series
+
+
+def _lines(ax: plt.Axes, series: dict[str, tuple[np.ndarray, np.ndarray]], empty: str) -> None:
+    if not series:
+        ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, color=MEDIAN)
+        ax.axis("off")
+        return
+    for name, (x, v) in series.items():
+        ax.plot(x, v, lw=1.2, marker="o" if len(x) < 40 else None, ms=2.5, label=name)
+    ax.set_xlabel("iteration")
+    if len(series) <= 12:
+        ax.legend(frameon=False, fontsize=7, ncol=2)
+
+
+def iterations(samples: list[Sample]) -> Figure:
+    no_model = "no model tokens: every run used\nthe reference or replay policy"
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.3))
+    seconds = {}
+    for s in samples:
+        pairs = [
+            (i + 1, (r.get("decide_seconds") or 0) + (r.get("tool_seconds") or 0))
+            for i, r in enumerate(s.metrics)
+        ]
+        if pairs:
+            x, v = zip(*pairs, strict=True)
+            seconds[s.name] = (np.asarray(x), np.asarray(v, dtype=float))
+    _lines(a, _per_iteration(samples, "prompt_tokens"), no_model)
+    a.set_title("Prompt tokens per iteration")
+    _lines(b, seconds, "no metrics recorded")
+    b.set_title("Seconds per iteration (decide + tool)")
+    if seconds:
+        b.set_yscale("log")
+    fig.tight_layout()
+    return Figure(
+        "Tokens and seconds per iteration",
+        "Prompt tokens sent to the model, and wall time of each iteration (the policy's decision "
+        "plus the tool calls).",
+        encode(fig),
+    )
+
+
+def cached_ratio(samples: list[Sample]) -> Figure:
+    series = {}
+    for s in samples:
+        pairs = [
+            (i + 1, r["cached_tokens"] / r["prompt_tokens"])
+            for i, r in enumerate(s.metrics)
+            if r.get("prompt_tokens") and r.get("cached_tokens") is not None
+        ]
+        if pairs:
+            x, v = zip(*pairs, strict=True)
+            series[s.name] = (np.asarray(x), np.asarray(v, dtype=float))
+    fig, ax = plt.subplots(figsize=(10, 3 if series else 1.2))
+    _lines(ax, series, "no cached-token counts: no run talked to a model server")
+    if series:
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("cached / prompt tokens")
+    ax.set_title("Cached-token ratio per iteration")
+    return Figure(
+        "Cached-token ratio per iteration",
+        "Share of each prompt that the server's prefix cache served; the cache-aware prompt "
+        "layout keeps it high.",
+        encode(fig),
+    )
+
+
+def cohort_figures(
+    table: pd.DataFrame, samples: list[Sample], parameters: list[str], drift: list[Flag]
+) -> list[Figure]:
+    figures = [
+        cells_kept(table),
+        qc_thresholds(table, parameters, drift),
+        clusters(table),
+        iterations(samples),
+        cached_ratio(samples),
+    ]
+    return [f for f in figures if f is not None]

@@ -1,0 +1,130 @@
+"""The agent against a real vLLM server (CPU, tiny random-weight model): the LLM path end to end."""
+
+import argparse
+import io
+import json
+from typing import Annotated
+
+import pytest
+from pydantic import Field
+
+from agent.context import ContextManager
+from agent.loop import run_loop
+from agent.policies.base import PromptTooLong
+from agent.policies.llm import LLMPolicy
+from agent.registry import ToolRegistry
+from agent.runner import add_arguments, run_sample
+from agent.world_state import WorldState
+
+pytestmark = pytest.mark.vllm
+
+
+def test_llm_run_with_the_real_tools(vllm_server, demo_run, tmp_path):
+    """`agent run --policy llm` over the endpoint file: the real scanpy tool schemas go to vLLM, the
+    (random) model's calls are recorded, valid or not, with usage, cached tokens and calibration."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    outdir = tmp_path / "llm"
+    args = parser.parse_args(
+        [
+            "--input",
+            str(demo_run.input),
+            "--outdir",
+            str(outdir),
+            "--sample",
+            "pbmc2",
+            "--policy",
+            "llm",
+            "--endpoint-file",
+            str(vllm_server.endpoint_file),
+            "--max-steps",
+            "6",
+            "--max-tokens",
+            "48",
+        ]
+    )
+    status = run_sample(args)
+    assert status in {"step_limit", "repeated_failures", "finished"}
+    world = WorldState.load(outdir / "world_state.json")
+    assert world.meta["model"] == vllm_server.model
+    assert world.meta["context_limit"] == vllm_server.max_model_len  # taken from the server
+    assert world.meta["server_flags"]  # the flags and reasons of the endpoint file
+    assert len(world.entries) >= 1 and all(e.status in {"ok", "error"} for e in world.entries)
+    rows = [json.loads(x) for x in (outdir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["prompt_tokens"] > 5000 for r in rows)  # the tool schemas alone are ~5K tokens
+    assert rows[-1]["cached_tokens"] > 0.5 * rows[-1]["prompt_tokens"]  # the prefix cache serves
+    for r in rows[1:]:  # calibrated from the first reply: the estimate never falls short by much
+        assert r["estimated_prompt_tokens"] >= 0.97 * r["prompt_tokens"]
+        assert r["estimated_prompt_tokens"] <= 1.3 * r["prompt_tokens"]
+
+
+def inspect_data(session: object) -> dict:
+    """Report the current table (large)."""
+    return {
+        "rows": [{"gene": f"GENE{i}", "mean": i * 0.25, "dispersion": i % 7} for i in range(60)]
+    }
+
+
+def finish(session: object, summary: Annotated[str, Field(max_length=20)] = "") -> dict:
+    """End the analysis."""
+    return {"done": True}
+
+
+class Session:
+    def digest(self) -> str:
+        return "same"
+
+    def after_step(self, step: int, tool: str) -> None:
+        return None
+
+
+class Counting(LLMPolicy):
+    overflows = 0
+
+    def decide(self, messages, tools, world):
+        try:
+            return super().decide(messages, tools, world)
+        except PromptTooLong:
+            Counting.overflows += 1
+            raise
+
+
+@pytest.mark.slow
+def test_long_session_survives_a_small_context(vllm_server, tmp_path):
+    policy = Counting(
+        vllm_server.base_url,
+        vllm_server.model,
+        api_key=vllm_server.api_key,
+        max_tokens=96,
+        tool_choice="required",
+        timeout=120,
+    )
+    registry = ToolRegistry([inspect_data, finish])
+    ctx = ContextManager(
+        "You analyse data with tools.",
+        registry.schemas(),
+        policy.context_limit(),
+        completion_reserve=96,
+        safety_margin=64,
+    )
+    ctx.add_user("Inspect the data repeatedly.")
+    world = WorldState(meta={"sample": "long"})
+    status = run_loop(
+        policy,
+        registry,
+        Session(),
+        world,
+        ctx,
+        tmp_path,
+        max_steps=85,
+        max_failures=1000,
+        log=io.StringIO(),
+    )
+    assert Counting.overflows == 0  # zero context-length errors from the server
+    saved = WorldState.load(tmp_path / "world_state.json")
+    assert [e.step for e in saved.entries] == list(range(1, len(saved.entries) + 1))
+    assert status == "finished" or len(saved.entries) >= 80
+    assert sum(e.tool == "inspect_data" and e.status == "ok" for e in saved.entries) >= 20
+    assert ctx.truncations > 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["prompt_tokens"] for r in rows) + 96 <= vllm_server.max_model_len
