@@ -15,3 +15,6 @@ if [[ "${1:-}" == "--test" ]]; then
 else
   python -m pip install -q -e .
 fi
+# `snakemake --profile slurm` looks a bare profile name up in ~/.config/snakemake/
+mkdir -p "${XDG_CONFIG_HOME:-$HOME/.config}/snakemake"
+ln -sfn "$PWD/profiles/slurm" "${XDG_CONFIG_HOME:-$HOME/.config}/snakemake/slurm"

@@ -1,8 +1,9 @@
 """The single-node test cluster (tests/slurm/start.sh) and the Slurm profile, with real jobs.
 
-Plain and GPU jobs go through sbatch and srun and show up in sacct; the smoke workflow
-(tests/slurm/smoke) runs through `snakemake --profile slurm`, every job with a Slurm job id in the
-logs and a sacct row; a job that exits 1 or is cancelled makes Snakemake fail instead of wait.
+Plain and GPU jobs go through sbatch and srun and show up in sacct; cancelling a job ends even
+its detached processes; the smoke workflow (tests/slurm/smoke) runs through `snakemake --profile
+slurm`, every job with a Slurm job id in the logs and a sacct row; a job that exits 1 or is
+cancelled makes Snakemake fail instead of wait.
 """
 
 from __future__ import annotations
@@ -78,6 +79,34 @@ def test_srun_runs_a_step_with_the_fake_gpu(slurm_cluster: SlurmCluster):
         timeout=60,
     )  # fmt: skip
     assert out.split() == [slurm_cluster.node, "0"]
+
+
+def test_cancelled_job_leaves_no_processes_behind(slurm_cluster: SlurmCluster, workdir: Path):
+    config = slurm_command("scontrol", "show", "config")
+    if not re.search(r"^ProctrackType\s*=\s*proctrack/cgroup$", config, re.MULTILINE):
+        pytest.skip("without proctrack/cgroup Slurm loses processes that leave the job's tree")
+    # A process that detaches from the job (new session, re-parented to init), as daemons do.
+    marker = f"{time.time_ns() % 10**9}"
+    job = slurm_command(
+        "sbatch", "--parsable", "-p", slurm_cluster.partition, "--time=1", f"--chdir={workdir}",
+        "--output=%j.out", "--wrap", f"(setsid sleep 600.{marker} &); sleep 600",
+    ).strip()  # fmt: skip
+    detached = wait_for_pids(f"sleep 600.{marker}", present=True, timeout=60)
+    slurm_command("scancel", job)
+    left = wait_for_pids(f"sleep 600.{marker}", present=False, timeout=30)
+    for pid in left:
+        subprocess.run(["kill", pid], check=False)
+    assert detached and not left, f"processes of cancelled job {job} still run: {left}"
+
+
+def wait_for_pids(pattern: str, *, present: bool, timeout: float) -> list[str]:
+    """Poll `pgrep -f pattern` until it finds processes (present) or none; return the pids."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+        if bool(pids.split()) == present or time.monotonic() > deadline:
+            return pids.split()
+        time.sleep(0.2)
 
 
 @pytest.mark.slow

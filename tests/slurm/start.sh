@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Start a single-node Slurm cluster with job accounting on this machine, for the tests.
 #
-# Installs Debian's slurm-wlm, slurmdbd, munge and mariadb-server; writes slurm.conf, gres.conf
-# and slurmdbd.conf from the templates beside this script (this machine's CPUs and memory, one
-# fake GPU); starts munged, MariaDB, slurmdbd, slurmctld and slurmd directly (no systemd);
+# Installs Debian's slurm-wlm, slurmdbd, munge and mariadb-server; writes slurm.conf, gres.conf,
+# cgroup.conf and slurmdbd.conf from the templates beside this script (this machine's CPUs and
+# memory, one fake GPU); starts munged, MariaDB, slurmdbd, slurmctld and slurmd directly (no systemd);
 # registers the cluster with the accounting database; waits until the node takes jobs and sacct
 # answers; prints a one-line summary. Idempotent: a second run only starts what is not running
 # (and restarts the Slurm daemons if their configuration changed). Needs root.
@@ -60,7 +60,7 @@ read_hardware() {
 render() {
   sed -e "s/@CLUSTER@/$cluster/g" -e "s/@PARTITION@/$partition/g" -e "s/@HOST@/$host/g" \
     -e "s/@CPUS@/$cpus/g" -e "s/@SOCKETS@/$sockets/g" -e "s/@CORES@/$cores/g" \
-    -e "s/@THREADS@/$threads/g" -e "s/@MEMORY_MB@/$memory_mb/g" \
+    -e "s/@THREADS@/$threads/g" -e "s/@MEMORY_MB@/$memory_mb/g" -e "s#@PROCTRACK@#$proctrack#g" \
     -e "s/@DB_PASSWORD@/$db_password/g" "$1"
 }
 
@@ -126,6 +126,7 @@ getent hosts "$host" >/dev/null || echo "127.0.0.1 $host" >>/etc/hosts
 install -d -o slurm -g slurm -m 0755 /var/log/slurm /var/lib/slurm /var/lib/slurm/slurmctld
 install -d -m 0755 /var/lib/slurm/slurmd /etc/slurm
 read_hardware
+if [[ -d /sys/fs/cgroup/freezer ]]; then proctrack=proctrack/cgroup; else proctrack=proctrack/linuxproc; fi
 # Keep the database password of an earlier run; a fresh machine gets a random one.
 db_password=$(sed -n 's/^StoragePass=//p' /etc/slurm/slurmdbd.conf 2>/dev/null || true)
 [[ -n $db_password ]] || db_password=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')
@@ -133,6 +134,7 @@ db_password=$(sed -n 's/^StoragePass=//p' /etc/slurm/slurmdbd.conf 2>/dev/null |
 changed=0
 put_config "$here/slurm.conf.in" /etc/slurm/slurm.conf 0644 && changed=1
 put_config "$here/gres.conf.in" /etc/slurm/gres.conf 0644 && changed=1
+put_config "$here/cgroup.conf.in" /etc/slurm/cgroup.conf 0644 && changed=1
 put_config "$here/slurmdbd.conf.in" /etc/slurm/slurmdbd.conf 0600 && changed=1
 if ((changed)); then
   stop_pidfile /run/slurmd.pid slurmd
@@ -158,5 +160,5 @@ wait_for "node $host" 60 node_usable
 wait_for sacct 30 sacct -n -X --starttime now-1hours
 
 echo "slurm test cluster '$cluster' up in $((SECONDS - t0))s: node $host $(node_usable)" \
-  "(CPUs=$cpus RealMemory=${memory_mb}MB gres=gpu:1), partition $partition," \
+  "(CPUs=$cpus RealMemory=${memory_mb}MB gres=gpu:1, $proctrack), partition $partition," \
   "accounting by slurmdbd + MariaDB (sacct answers)"
