@@ -3,6 +3,7 @@
 import argparse
 import io
 import json
+from collections import Counter
 from typing import Annotated
 
 import pytest
@@ -10,7 +11,7 @@ from pydantic import Field
 
 from agent.context import ContextManager
 from agent.loop import run_loop
-from agent.policies.base import PromptTooLong
+from agent.policies.base import Decision, PromptTooLong, ToolCall
 from agent.policies.llm import LLMPolicy
 from agent.registry import ToolRegistry
 from agent.runner import add_arguments, run_sample
@@ -78,25 +79,31 @@ class Session:
         return None
 
 
-class Counting(LLMPolicy):
+class ScriptedCalls(LLMPolicy):
+    """Sends every prompt to the real server (which counts it and refuses one that is too long)
+    but runs a fixed call, since a random-weight model rarely emits a usable one (seen here:
+    85 of 85 replies cut at max_tokens with `required` and with a named tool_choice). What is
+    under test is the prompt the agent builds, not the model's choices."""
+
     overflows = 0
 
     def decide(self, messages, tools, world):
         try:
-            return super().decide(messages, tools, world)
+            reply = super().decide(messages, tools, world)
         except PromptTooLong:
-            Counting.overflows += 1
+            ScriptedCalls.overflows += 1
             raise
+        call = ToolCall(f"call{world.next_step}", "inspect_data", "{}")
+        return Decision([call], reply.text, reply.usage, reply.finish_reason)
 
 
 @pytest.mark.slow
 def test_long_session_survives_a_small_context(vllm_server, tmp_path):
-    policy = Counting(
+    policy = ScriptedCalls(
         vllm_server.base_url,
         vllm_server.model,
         api_key=vllm_server.api_key,
-        max_tokens=96,
-        tool_choice="required",
+        max_tokens=8,
         timeout=120,
     )
     registry = ToolRegistry([inspect_data, finish])
@@ -104,7 +111,7 @@ def test_long_session_survives_a_small_context(vllm_server, tmp_path):
         "You analyse data with tools.",
         registry.schemas(),
         policy.context_limit(),
-        completion_reserve=96,
+        completion_reserve=8,
         safety_margin=64,
     )
     ctx.add_user("Inspect the data repeatedly.")
@@ -120,11 +127,12 @@ def test_long_session_survives_a_small_context(vllm_server, tmp_path):
         max_failures=1000,
         log=io.StringIO(),
     )
-    assert Counting.overflows == 0  # zero context-length errors from the server
+    assert ScriptedCalls.overflows == 0  # zero context-length errors from the server
     saved = WorldState.load(tmp_path / "world_state.json")
     assert [e.step for e in saved.entries] == list(range(1, len(saved.entries) + 1))
-    assert status == "finished" or len(saved.entries) >= 80
-    assert sum(e.tool == "inspect_data" and e.status == "ok" for e in saved.entries) >= 20
+    assert status == "step_limit" and len(saved.entries) == 85
+    seen = Counter((e.tool, e.status, (e.error or "")[:80]) for e in saved.entries)
+    assert sum(e.tool == "inspect_data" and e.status == "ok" for e in saved.entries) == 85, seen
     assert ctx.truncations > 0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert max(r["prompt_tokens"] for r in rows) + 96 <= vllm_server.max_model_len
+    assert max(r["prompt_tokens"] for r in rows) + 8 <= vllm_server.max_model_len

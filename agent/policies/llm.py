@@ -33,7 +33,7 @@ class LLMPolicy:
         temperature: float = 0.0,
         max_tokens: int = 1024,
         seed: int = 0,
-        tool_choice: str = "auto",
+        tool_choice: str | dict[str, Any] = "auto",
         outage_wait: float = 600.0,
     ):
         self.client = openai.OpenAI(
