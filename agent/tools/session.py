@@ -1,20 +1,36 @@
-"""The state one run's tools share: the AnnData, the sample's output folder, the seed."""
+"""The state one run's tools share: the AnnData, the sample's output folder, the seed, checkpoints."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from pathlib import Path
 from typing import Any
 
+import anndata as ad
 import numpy as np
 import pandas as pd
 from scipy import sparse
 
 from agent.registry import ToolError
 
+CHECKPOINT_DIR = "checkpoints"
+# Steps worth a checkpoint of their own: recomputing them after a crash costs seconds to minutes.
+EXPENSIVE_TOOLS = frozenset(
+    {"load_data", "detect_doublets", "regress_out", "pca", "neighbors", "umap", "cluster_sweep",
+     "leiden", "rank_genes_groups", "annotate_clusters"}
+)  # fmt: skip
+# Steps that leave the AnnData as it was: never a reason to write a checkpoint.
+READ_ONLY_TOOLS = frozenset({"plot", "save", "finish"})
+
 
 def digest_adata(adata: Any) -> str:
-    """A content digest of an AnnData: matrix, names, annotations, embeddings, layers."""
+    """A content digest of an AnnData's data: matrix, names, annotations, embeddings, graphs, raw.
+
+    ``uns`` is left out: it holds parameters and summaries (reported in tool results anyway) whose
+    Python types change on an .h5ad round trip, and a checkpoint must restore the same digest.
+    """
     h = hashlib.blake2b(digest_size=16)
 
     def add_array(a: Any) -> None:
@@ -23,37 +39,77 @@ def digest_adata(adata: Any) -> str:
             for part in (a.data, a.indices, a.indptr):
                 h.update(np.ascontiguousarray(part).tobytes())
             h.update(str(a.shape).encode())
+            return
+        a = np.asarray(a)
+        h.update(str((a.shape, a.dtype.str)).encode())
+        if a.dtype.hasobject:  # object or record arrays of strings: bytes of pointers mean nothing
+            h.update(repr(a.tolist()).encode())
         else:
-            a = np.ascontiguousarray(np.asarray(a))
-            h.update(str((a.shape, a.dtype.str)).encode())
-            h.update(a.tobytes())
+            h.update(np.ascontiguousarray(a).tobytes())
+
+    def add_frame(frame: pd.DataFrame) -> None:
+        h.update(
+            pd.util.hash_pandas_object(frame.index.to_series(), index=False).to_numpy().tobytes()
+        )
+        for col in frame.columns:
+            h.update(str(col).encode())
+            values = frame[col]
+            if values.dtype == object:  # mixed Python objects: their text is what is stable
+                values = values.astype(str)
+            h.update(pd.util.hash_pandas_object(values, index=False).to_numpy().tobytes())
 
     add_array(adata.X)
-    for frame in (adata.obs, adata.var):
-        h.update(pd.util.hash_pandas_object(frame.index.to_series(), index=False).to_numpy().tobytes())
-        for col in frame.columns:
-            h.update(col.encode())
-            h.update(pd.util.hash_pandas_object(frame[col].astype(str), index=False).to_numpy().tobytes())
-    for store in (adata.obsm, adata.layers):
+    add_frame(adata.obs)
+    add_frame(adata.var)
+    for store in (adata.obsm, adata.varm, adata.obsp, adata.layers):
         for key in sorted(store.keys()):
             h.update(key.encode())
             add_array(store[key])
+    if adata.raw is not None:
+        h.update(b"raw")
+        add_array(adata.raw.X)
+        add_frame(adata.raw.var)
     return h.hexdigest()
+
+
+def write_h5ad_atomic(adata: Any, path: Path) -> None:
+    """Write an .h5ad so that readers see the old file or the whole new one, never a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        adata.write_h5ad(tmp)  # no compression: checkpoints must be cheap
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class Session:
     """Holds the AnnData of one sample between tool calls.
 
     Tools write only inside ``outdir``; ``path_inside`` enforces it for any path a tool is given.
+    They read only the run's input (``input_path``, a file or a 10x folder) or files in ``outdir``.
+    ``done`` holds the names of the tools that have succeeded since the data were loaded (each tool
+    adds itself; see agent.tools). The loop reports each success through ``after_step``, which
+    writes checkpoints.
     """
 
-    def __init__(self, outdir: str | Path, seed: int = 0, input_path: str | Path | None = None):
+    def __init__(
+        self,
+        outdir: str | Path,
+        seed: int = 0,
+        input_path: str | Path | None = None,
+        checkpoint_every: int = 4,
+        keep_checkpoints: int = 2,
+    ):
         self.outdir = Path(outdir).resolve()
         self.outdir.mkdir(parents=True, exist_ok=True)
         self.seed = seed
-        self.input_path = Path(input_path) if input_path else None
+        self.input_path = Path(input_path).resolve() if input_path else None
+        self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
         self._adata: Any = None
         self.done: set[str] = set()  # names of tools that have succeeded, for prerequisites
+        self._checkpoint_step = 0
 
     @property
     def adata(self) -> Any:
@@ -76,5 +132,92 @@ class Session:
         """Resolve a tool-given path under the output folder, refusing anything outside it."""
         path = (self.outdir / relative).resolve()
         if not path.is_relative_to(self.outdir):
-            raise ToolError(f"path {str(relative)!r} leaves the sample's output folder {self.outdir}")
+            raise ToolError(
+                f"path {str(relative)!r} leaves the sample's output folder {self.outdir}"
+            )
         return path
+
+    def readable_path(self, given: str | Path | None) -> Path:
+        """A path a tool may read: the run's input (or a file in its 10x folder) or one in outdir.
+
+        ``None`` or the input's own file name means the run's input; any other relative path is
+        taken from the output folder.
+        """
+        if given is None:
+            if self.input_path is None:
+                raise ToolError("this run has no input file: give a path inside the output folder")
+            return self.input_path
+        path = Path(given)
+        named_input = self.input_path is not None and path == Path(self.input_path.name)
+        if (
+            named_input and not (self.outdir / path).exists()
+        ):  # the input by name, as the brief has it
+            return self.input_path
+        path = (path if path.is_absolute() else self.outdir / path).resolve()
+        allowed = [self.outdir] + ([self.input_path] if self.input_path else [])
+        if not any(path == root or path.is_relative_to(root) for root in allowed):
+            raise ToolError(
+                f"path {str(given)!r} is neither the run's input ({self.input_path}) nor inside "
+                f"the sample's output folder {self.outdir}"
+            )
+        return path
+
+    def require(self, tool: str, *steps: str) -> None:
+        """Refuse a tool whose prerequisite steps (in pipeline order) have not succeeded yet."""
+        missing = [s for s in steps if s not in self.done]
+        if missing:
+            raise ToolError(
+                f"{tool} needs {', '.join(missing)} first (not done yet): call {missing[0]} next"
+            )
+
+    def replace_data(self, adata: Any) -> None:
+        """New data from a file: everything done before applied to other data."""
+        self._adata = adata
+        self.done.clear()
+
+    def after_step(self, step: int, tool: str) -> str | None:
+        """Record a successful tool; write checkpoints/step_NNNN.h5ad when one is due.
+
+        One is due after an expensive step, or when ``checkpoint_every`` steps have passed since
+        the last one, so a crash costs at most a few cheap steps; never after a read-only step.
+        Returns the checkpoint's path, or None when none was written.
+        """
+        self.done.add(tool)
+        if self._adata is None or tool in READ_ONLY_TOOLS:
+            return None
+        if tool not in EXPENSIVE_TOOLS and step - self._checkpoint_step < self.checkpoint_every:
+            return None
+        folder = self.path_inside(CHECKPOINT_DIR)
+        path = folder / f"step_{step:04d}.h5ad"
+        write_h5ad_atomic(self._adata, path)
+        # the sidecar is written last: a checkpoint without one is incomplete and never restored
+        sidecar = {"step": step, "tool": tool, "done": sorted(self.done), "seed": self.seed}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(sidecar))
+        os.replace(tmp, path.with_suffix(".json"))
+        self._checkpoint_step = step
+        for old, _ in self._checkpoints()[: -self.keep_checkpoints]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".json").unlink(missing_ok=True)
+        return str(path)
+
+    def _checkpoints(self) -> list[tuple[Path, int]]:
+        """Complete checkpoints (data and sidecar), oldest first."""
+        folder = self.outdir / CHECKPOINT_DIR
+        found = []
+        for path in folder.glob("step_*.h5ad"):
+            if path.with_suffix(".json").is_file() and path.stem[5:].isdigit():
+                found.append((path, int(path.stem[5:])))
+        return sorted(found, key=lambda item: item[1])
+
+    def restore(self, step: int) -> int | None:
+        """Load the newest checkpoint at or before ``step`` (data and done set); its step or None."""
+        usable = [(p, s) for p, s in self._checkpoints() if s <= step]
+        if not usable:
+            return None
+        path, found = usable[-1]
+        meta = json.loads(path.with_suffix(".json").read_text())
+        self._adata = ad.read_h5ad(path)
+        self.done = set(meta["done"])
+        self._checkpoint_step = found
+        return found

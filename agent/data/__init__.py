@@ -1,0 +1,1 @@
+"""Synthetic data with planted truth, the demo cohort, and package data files (marker sets)."""

@@ -1,0 +1,240 @@
+"""ReferencePolicy: the standard scanpy recipe, with each value chosen from earlier results.
+
+It reads no messages. The next call is a pure function of the world state's entries: the first
+recipe step that has not succeeded yet, with arguments computed from the results of earlier
+steps (QC thresholds from qc_metrics' MAD suggestions, n_pcs from pca's elbow, the resolution
+from cluster_sweep...). A step that failed is retried with each fallback whose arguments were not tried yet; an
+optional step then gets skipped, a required one ends the analysis with finish (or, before any data
+were loaded, with no call at all). So it never makes the same failing call twice, and ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from agent.policies.base import Decision, ToolCall
+
+Args = dict[str, Any]
+Facts = Callable[[str], dict[str, Any]]  # tool name -> result of its latest successful call
+ArgsFn = Callable[[Facts], Args | None]  # None: the step does not apply to these data
+
+
+@dataclass(frozen=True)
+class Step:
+    tool: str
+    args: ArgsFn
+    fallbacks: tuple[ArgsFn, ...] = ()
+    required: bool = False
+    after: tuple[str, ...] = ()  # tools that must have succeeded, else the step is skipped
+    kind: str | None = None  # plots: one step per kind (and colour) of figure
+    color: str | None = None
+
+    def matches(self, tool: str, params: Args) -> bool:
+        if tool != self.tool:
+            return False
+        if self.kind is None:
+            return True
+        return params.get("kind") == self.kind and params.get("color") == self.color
+
+
+def _const(args: Args) -> ArgsFn:
+    return lambda facts: dict(args)
+
+
+def _min_genes(facts: Facts) -> Args:
+    # 200 genes is the usual empty-droplet cut; shallow data get a lower one
+    median = facts("load_data").get("median_genes_per_cell", 1000)
+    return {"min_genes": int(min(200, max(50, median // 4)))}
+
+
+def _qc_thresholds(facts: Facts) -> Args | None:
+    suggested = facts("qc_metrics").get("suggested_thresholds")
+    if not suggested:
+        return None
+    return {k: suggested[k] for k in ("min_genes", "max_genes", "max_pct_mt")}
+
+
+def _doublet_rate(facts: Facts) -> Args:
+    # 10x: ~0.8% doublets per 1,000 cells recovered; below 7,500 cells Scrublet's customary 6%,
+    # as its automatic threshold lands too high with a low expected rate
+    cells = facts("filter_by_qc").get("cells_after") or facts("qc_metrics").get("n_cells", 5000)
+    return {"expected_doublet_rate": round(min(0.15, max(0.06, 0.008 * cells / 1000)), 3)}
+
+
+def _hvg(flavor: str) -> ArgsFn:
+    def args(facts: Facts) -> Args:
+        genes = facts("filter_genes").get("genes_after") or facts("load_data").get("n_genes", 4000)
+        return {
+            "flavor": flavor,
+            "n_top_genes": int(min(2000, max(50, genes // 2))),
+            "subset": True,
+        }
+
+    return args
+
+
+def _pca(facts: Facts) -> Args:
+    cells = facts("remove_doublets").get("cells_after") or facts("filter_by_qc").get(
+        "cells_after", 1000
+    )
+    genes = facts("highly_variable_genes").get("n_genes_in_X", 2000)
+    return {"n_comps": int(min(50, cells - 1, genes - 1))}
+
+
+def _neighbors(facts: Facts) -> Args:
+    pca = facts("pca")
+    # the elbow marks where signal ends; keeping a few components past it costs little and
+    # protects small populations whose axes come late
+    n_pcs = min(pca.get("n_comps", 50), max(10, pca.get("suggested_n_pcs", 20) + 5))
+    return {"n_neighbors": 15, "n_pcs": int(n_pcs)}
+
+
+def _leiden(facts: Facts) -> Args:
+    best = facts("cluster_sweep").get("best_resolution")
+    return {"resolution": best if best is not None else 1.0}
+
+
+def _conclusion(facts: Facts) -> Args:
+    parts = []
+    if "removed" in facts("filter_by_qc"):
+        parts.append(f"QC removed {facts('filter_by_qc')['removed']} low-quality cells")
+    if "removed" in facts("remove_doublets"):
+        parts.append(f"{facts('remove_doublets')['removed']} predicted doublets")
+    leiden = facts("leiden")
+    if "n_clusters" in leiden:
+        parts.append(
+            f"{leiden['n_clusters']} Leiden clusters at resolution {leiden.get('resolution')}"
+        )
+    labels = facts("annotate_clusters").get("label_sizes")
+    if labels:
+        parts.append("labels: " + ", ".join(f"{k} ({v})" for k, v in labels.items()))
+    return {"conclusion": "Reference scanpy recipe. " + "; ".join(parts) + "."}
+
+
+RECIPE: tuple[Step, ...] = (
+    Step("load_data", _const({}), required=True),
+    Step("filter_cells", _min_genes),
+    Step("filter_genes", _const({"min_cells": 3})),
+    Step("qc_metrics", _const({})),
+    Step("filter_by_qc", _qc_thresholds, fallbacks=(_const({"max_pct_mt": 20.0}),), after=("qc_metrics",)),
+    Step("plot", _const({"kind": "qc_violin"}), after=("qc_metrics",), kind="qc_violin"),
+    Step("detect_doublets", _doublet_rate, fallbacks=(_const({"threshold": 0.25}),)),
+    Step("remove_doublets", _const({}), after=("detect_doublets",)),
+    Step("normalize", _const({}), required=True),
+    Step("highly_variable_genes", _hvg("seurat_v3"), fallbacks=(_hvg("seurat"),)),
+    Step("scale", _const({"max_value": 10.0})),
+    Step("pca", _pca, fallbacks=(_const({"n_comps": 20}),), required=True),
+    Step("neighbors", _neighbors, fallbacks=(_const({}),), required=True),
+    Step("umap", _const({})),
+    Step("cluster_sweep", _const({})),
+    Step("leiden", _leiden, fallbacks=(_const({"resolution": 1.0}),), required=True),
+    Step("rank_genes_groups", _const({"groupby": "leiden", "method": "wilcoxon"}),
+         fallbacks=(_const({"groupby": "leiden", "method": "t-test"}),)),
+    Step("annotate_clusters", _const({"groupby": "leiden"})),
+    Step("plot", _const({"kind": "umap", "color": "leiden"}), after=("umap",), kind="umap", color="leiden"),
+    Step("plot", _const({"kind": "umap", "color": "cell_type"}), after=("umap", "annotate_clusters"),
+         kind="umap", color="cell_type"),
+    Step("plot", _const({"kind": "dotplot", "groupby": "leiden"}), after=("annotate_clusters",), kind="dotplot"),
+    Step("finish", _conclusion, fallbacks=(_const({}),), required=True),
+)  # fmt: skip
+
+
+def _params(entry: Any) -> Args:
+    """An entry's parameters; for a call that failed validation, the arguments as sent."""
+    params = entry.params or {}
+    if "_raw" not in params:
+        return params
+    raw = params["_raw"]
+    if isinstance(raw, str | bytes):
+        try:
+            raw = orjson.loads(raw or "{}")
+        except orjson.JSONDecodeError:
+            return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _defaults(tools: list[dict[str, Any]]) -> dict[str, Args]:
+    """Each tool's parameter defaults, from the schemas the loop passes to decide()."""
+    out = {}
+    for schema in tools:
+        fn = schema.get("function", {})
+        props = fn.get("parameters", {}).get("properties", {})
+        out[fn.get("name")] = {k: v["default"] for k, v in props.items() if "default" in v}
+    return out
+
+
+def _same(args: Args, params: Args, defaults: Args) -> bool:
+    """Whether a call with ``args`` was already made; recorded params may have defaults filled in."""
+    return {**defaults, **args} == {**defaults, **params}
+
+
+class ReferencePolicy:
+    """Follows RECIPE; see the module docstring."""
+
+    def __init__(self, recipe: tuple[Step, ...] = RECIPE):
+        self.recipe = recipe
+
+    def decide(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], world: Any
+    ) -> Decision:
+        entries = list(world.entries)
+        step_no = entries[-1].step + 1 if entries else 1
+        ok_tools = {e.tool for e in entries if e.status == "ok"}
+        defaults = _defaults(tools)
+
+        def facts(tool: str) -> dict[str, Any]:
+            for e in reversed(entries):
+                if e.tool == tool and e.status == "ok":
+                    return e.result or {}
+            return {}
+
+        def call(step: Step, args: Args, note: str | None = None) -> Decision:
+            text = note or f"reference recipe: {step.tool}"
+            arguments = orjson.dumps(args).decode()
+            return Decision(
+                [ToolCall(f"ref-{step_no}", step.tool, arguments)],
+                text=text,
+                finish_reason="tool_calls",
+            )
+
+        for step in self.recipe:
+            attempts = [e for e in entries if step.matches(e.tool, _params(e))]
+            if any(e.status == "ok" for e in attempts):
+                continue
+            if not set(step.after) <= ok_tools:
+                continue
+            tried = [_params(e) for e in attempts]
+            for variant in (step.args, *step.fallbacks):  # the first not tried yet
+                args = variant(facts)
+                if args is None or any(
+                    _same(args, done, defaults.get(step.tool, {})) for done in tried
+                ):
+                    continue
+                retry = (
+                    f"retrying {step.tool} with a fallback after: {attempts[-1].error}"
+                    if attempts
+                    else None
+                )
+                return call(step, args, retry)
+            if not step.required:
+                continue
+            # a required step cannot be done: save what there is, unless there is nothing
+            finish = self.recipe[-1]
+            finished_tries = sum(1 for e in entries if e.tool == finish.tool)
+            if "load_data" in ok_tools and step.tool != finish.tool and finished_tries == 0:
+                return call(
+                    finish,
+                    {
+                        "conclusion": f"stopped early: {step.tool} failed ({attempts[-1].error if attempts else 'no arguments'})"
+                    },
+                )
+            reason = attempts[-1].error if attempts else "no arguments"
+            return Decision(
+                text=f"reference recipe cannot go on: {step.tool} failed ({reason})",
+                finish_reason="stop",
+            )
+        return Decision(text="reference recipe complete", finish_reason="stop")

@@ -1,0 +1,220 @@
+"""Reading a sample's counts and writing the analysed AnnData."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import anndata as ad
+import numpy as np
+import scanpy as sc
+from pydantic import Field
+from scipy import sparse
+
+from agent.registry import ToolError
+from agent.tools.common import per_row, sizes
+from agent.tools.qc import gene_masks
+from agent.tools.session import Session, write_h5ad_atomic
+
+SYMBOL_COLUMNS = (
+    "gene_symbols",
+    "gene_symbol",
+    "feature_name",
+    "gene_name",
+    "gene_names",
+    "symbol",
+)
+FINAL_FILE = "adata.h5ad"
+
+
+def _read(path: Path) -> tuple[ad.AnnData, str]:
+    if path.is_dir():
+        if not any((path / f"matrix.mtx{ext}").is_file() for ext in ("", ".gz")):
+            raise ToolError(
+                f"{path} is a folder without matrix.mtx(.gz): a 10x mtx folder needs matrix.mtx.gz, "
+                "barcodes.tsv.gz and features.tsv.gz"
+            )
+        return sc.read_10x_mtx(
+            path, var_names="gene_symbols", make_unique=True, cache=False
+        ), "10x_mtx"
+    if not path.is_file():
+        raise ToolError(f"input {path} does not exist")
+    if path.suffix == ".h5":
+        return sc.read_10x_h5(path), "10x_h5"
+    if path.suffix == ".h5ad":
+        return ad.read_h5ad(path), "h5ad"
+    raise ToolError(
+        f"{path}: unknown input format (expected a 10x mtx folder, a 10x .h5 or an .h5ad file)"
+    )
+
+
+def _integer_layers(adata: ad.AnnData) -> list[str]:
+    """Layers (and raw) that hold non-negative integers: where raw counts may hide."""
+    found = [k for k, m in adata.layers.items() if _non_count_value(m) is None]
+    if adata.raw is not None and _non_count_value(adata.raw.X) is None:
+        found.append("raw")
+    return found
+
+
+def _non_count_value(matrix: Any) -> float | None:
+    """A value that rules out raw counts (negative or fractional), or None if all are counts."""
+    values = matrix.data if sparse.issparse(matrix) else np.asarray(matrix).ravel()
+    if not np.issubdtype(values.dtype, np.number):
+        return float("nan")
+    bad = (values < 0) | (values != np.round(values))
+    return float(values[np.argmax(bad)]) if bad.any() else None
+
+
+def load_data(
+    session: Session,
+    path: str | None = None,
+    layer: str | None = None,
+    gene_symbols: str | None = None,
+) -> dict[str, Any]:
+    """Load a sample's raw counts from a 10x mtx folder, a 10x .h5 file or an .h5ad file.
+
+    Checks that the matrix holds raw integer counts and reports shape, sparsity, where the gene
+    symbols come from, and how many mitochondrial, ribosomal and haemoglobin genes there are.
+    Loading replaces any data loaded before, and every step starts again.
+
+    Args:
+        path: File or 10x folder to read; leave out to read the run's input.
+        layer: Read the counts from this layer of an .h5ad instead of X ('raw' for adata.raw).
+        gene_symbols: Column of the gene annotations (var) that holds gene symbols, when the
+            gene names are IDs such as Ensembl.
+    """
+    source = session.readable_path(path)
+    try:
+        adata, fmt = _read(source)
+    except ToolError:
+        raise
+    except Exception as e:  # a corrupt or foreign file: say which and why
+        raise ToolError(f"could not read {source}: {type(e).__name__}: {e}") from None
+    original_dtype = str(adata.X.dtype) if adata.X is not None else "none"
+    if layer == "raw":
+        if adata.raw is None:
+            raise ToolError(f"{source} has no adata.raw to read counts from")
+        adata = adata.raw.to_adata()
+    elif layer is not None:
+        if layer not in adata.layers:
+            raise ToolError(
+                f"{source} has no layer {layer!r} (layers: {list(adata.layers) or 'none'})"
+            )
+        adata.X = adata.layers[layer]
+    if adata.n_obs == 0 or adata.n_vars == 0:
+        raise ToolError(
+            f"{source}: the matrix is empty ({adata.n_obs} cells x {adata.n_vars} genes)"
+        )
+    matrix = adata.X
+    if (matrix.nnz if sparse.issparse(matrix) else np.count_nonzero(matrix)) == 0:
+        raise ToolError(f"{source}: the matrix holds no counts (every value is zero)")
+    bad = _non_count_value(matrix)
+    if bad is not None:
+        where = f"layer {layer!r}" if layer else "X"
+        hint = _integer_layers(adata) if not layer else []
+        raise ToolError(
+            f"{source}: {where} is not raw counts: it holds {bad:.4g} (dtype {matrix.dtype}); "
+            "it looks normalised or log-transformed, and load_data needs raw integer UMI counts"
+            + (
+                f"; these hold integer counts: {hint} (call load_data with layer=...)"
+                if hint
+                else ""
+            )
+        )
+
+    warnings = []
+    symbols_from = "var_names"
+    if gene_symbols is not None:
+        if gene_symbols not in adata.var.columns:
+            raise ToolError(
+                f"{source}: no gene annotation column {gene_symbols!r} (var columns: {list(adata.var.columns)})"
+            )
+        adata.var_names = adata.var[gene_symbols].astype(str).to_numpy()
+        symbols_from = gene_symbols
+    elif np.mean([bool(re.match(r"ENS[A-Z]*G\d", g)) for g in adata.var_names[:1000]]) > 0.5:
+        column = next((c for c in SYMBOL_COLUMNS if c in adata.var.columns), None)
+        if column:
+            adata.var_names = adata.var[column].astype(str).to_numpy()
+            symbols_from = column
+        else:
+            warnings.append(
+                "gene names look like Ensembl IDs and no symbol column was found: "
+                "mitochondrial genes and marker sets will not match"
+            )
+    n_duplicated = int(adata.var_names.duplicated().sum())
+    if n_duplicated:
+        adata.var_names_make_unique()
+    adata.X = sparse.csr_matrix(adata.X, dtype=np.float32)
+    session.replace_data(adata)
+
+    masks = gene_masks(adata.var_names)
+    counts = per_row(adata.X, "sum")
+    genes = per_row(adata.X, "nnz")
+    if not masks["mt"].any():
+        warnings.append("no mitochondrial genes with prefix 'MT-' (mouse data use 'mt-')")
+    return {
+        "path": str(source),
+        "format": fmt,
+        "n_cells": adata.n_obs,
+        "n_genes": adata.n_vars,
+        "dtype_in_file": original_dtype,
+        "layer": layer,
+        "sparsity": round(1 - adata.X.nnz / (adata.n_obs * adata.n_vars), 4),
+        "total_counts": int(counts.sum()),
+        "median_counts_per_cell": float(np.median(counts)),
+        "median_genes_per_cell": float(np.median(genes)),
+        "gene_symbols_from": symbols_from,
+        "duplicate_gene_names_made_unique": n_duplicated,
+        "n_mt_genes": int(masks["mt"].sum()),
+        "n_ribo_genes": int(masks["ribo"].sum()),
+        "n_hb_genes": int(masks["hb"].sum()),
+        "warnings": warnings,
+    }
+
+
+def save(session: Session, path: str = "adata.h5ad") -> dict[str, Any]:
+    """Write the current AnnData to an .h5ad file inside the sample's output folder.
+
+    Args:
+        path: File name (or relative path) inside the output folder; must end in .h5ad.
+    """
+    if not path.endswith(".h5ad"):
+        raise ToolError(f"save path {path!r} must end in .h5ad")
+    target = session.path_inside(path)
+    adata = session.adata
+    write_h5ad_atomic(adata, target)
+    return {
+        "path": str(target.relative_to(session.outdir)),
+        "n_cells": adata.n_obs,
+        "n_genes": adata.n_vars,
+        "bytes": target.stat().st_size,
+    }
+
+
+def finish(
+    session: Session,
+    conclusion: Annotated[str, Field(max_length=4000)] = "",
+) -> dict[str, Any]:
+    """Finish the analysis: write the final adata.h5ad and return a short summary.
+
+    Call this last; the run ends when it succeeds.
+
+    Args:
+        conclusion: A few sentences on what the analysis found, for the record.
+    """
+    adata = session.adata
+    target = session.path_inside(FINAL_FILE)
+    write_h5ad_atomic(adata, target)
+    summary: dict[str, Any] = {
+        "path": FINAL_FILE,
+        "n_cells": adata.n_obs,
+        "n_genes": adata.n_vars,
+        "steps_done": sorted(session.done),
+        "conclusion": conclusion,
+    }
+    for key in ("leiden", "cell_type"):
+        if key in adata.obs.columns:
+            summary[f"{key}_sizes"] = sizes(adata.obs[key])
+    summary["n_clusters"] = len(summary["leiden_sizes"]) if "leiden_sizes" in summary else 0
+    return summary

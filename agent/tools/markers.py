@@ -1,0 +1,72 @@
+"""Marker genes per cluster: scanpy's rank_genes_groups, reported compactly."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import scanpy as sc
+from pydantic import Field
+
+from agent.registry import ToolError
+from agent.tools.common import Key, Limit, obs_column, scanpy_params
+from agent.tools.session import Session
+
+
+def rank_genes_groups(
+    session: Session,
+    groupby: Key = "leiden",
+    method: Literal["wilcoxon", "t-test", "t-test_overestim_var", "logreg"] = "wilcoxon",
+    n_genes: Annotated[int, Field(ge=1, le=50)] = 5,
+    limit: Limit = 40,
+) -> dict[str, Any]:
+    """Rank marker genes of each group (cluster) against the rest and list the top ones.
+
+    Uses the log-normalised values of all genes (.raw) when present. Each marker comes with its
+    log2 fold change and Benjamini-Hochberg adjusted p-value.
+
+    Args:
+        groupby: Cell annotation (obs column) with the groups, usually the Leiden clusters.
+        method: Test used by scanpy's rank_genes_groups.
+        n_genes: Top markers listed per group.
+        limit: Groups listed at most; the rest are counted in left_out.
+    """
+    session.require("rank_genes_groups", "normalize")
+    adata = session.adata
+    groups = obs_column(
+        adata, groupby, "rank_genes_groups", "call leiden first (or give another groupby)"
+    )
+    counts = groups.astype("category").value_counts()
+    if len(counts) < 2:
+        raise ToolError(
+            f"rank_genes_groups: {groupby!r} has {len(counts)} group; it needs at least 2"
+        )
+    if counts.min() < 2:
+        small = [str(g) for g, n in counts.items() if n < 2]
+        raise ToolError(f"rank_genes_groups: groups {small} of {groupby!r} have fewer than 2 cells")
+    if groups.dtype.name != "category":
+        adata.obs[groupby] = groups.astype(str).astype("category")
+    use_raw = adata.raw is not None
+    kwargs = {"random_state": session.seed} if method == "logreg" else {}
+    sc.tl.rank_genes_groups(adata, groupby, method=method, use_raw=use_raw, **kwargs)
+    names = list(adata.obs[groupby].cat.categories)
+    top: dict[str, list[dict[str, Any]]] = {}
+    for group in names[:limit]:
+        df = sc.get.rank_genes_groups_df(adata, group=group).head(n_genes)
+        rows = []
+        for _, row in df.iterrows():
+            entry = {"gene": row["names"], "score": round(float(row["scores"]), 2)}
+            if "logfoldchanges" in df and row["logfoldchanges"] == row["logfoldchanges"]:
+                entry["log2fc"] = round(float(row["logfoldchanges"]), 2)
+            if "pvals_adj" in df:
+                entry["pval_adj"] = float(f"{row['pvals_adj']:.3g}")
+            rows.append(entry)
+        top[str(group)] = rows
+    return {
+        "groupby": groupby,
+        "method": method,
+        "use_raw": use_raw,
+        "n_groups": len(names),
+        "top_markers": top,
+        "left_out": f"{len(names) - limit} groups not listed" if len(names) > limit else None,
+        "scanpy_params": scanpy_params(adata, "rank_genes_groups"),
+    }

@@ -1,0 +1,103 @@
+"""Figures to PNG in the sample's plots/ folder: QC violins, UMAP, marker dot plot, PCA variance."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")  # batch jobs have no display; set before pyplot loads a backend
+import matplotlib.pyplot as plt
+import scanpy as sc
+
+from agent.registry import ToolError
+from agent.tools.common import Key
+from agent.tools.session import Session
+
+PLOT_DIR = "plots"
+QC_KEYS = ("n_genes_by_counts", "total_counts", "pct_counts_mt")
+GENES_PER_SET = 4
+
+
+def _figure(session: Session, kind: str, color: str | None, groupby: str) -> Any:
+    adata = session.adata
+    if kind == "qc_violin":
+        session.require("plot qc_violin", "qc_metrics")
+        np.random.seed(session.seed)  # the violin's point jitter draws from numpy's global RNG
+        sc.pl.violin(adata, list(QC_KEYS), jitter=0.4, multi_panel=True, show=False)
+        return plt.gcf()
+    if kind == "pca_variance":
+        session.require("plot pca_variance", "pca")
+        sc.pl.pca_variance_ratio(
+            adata, n_pcs=min(50, adata.obsm["X_pca"].shape[1]), log=True, show=False
+        )
+        return plt.gcf()
+    if kind == "umap":
+        session.require("plot umap", "umap")
+        key = color or groupby
+        genes = adata.raw.var_names if adata.raw is not None else adata.var_names
+        if key not in adata.obs.columns and key not in genes:
+            raise ToolError(
+                f"plot umap: color {key!r} is neither a cell annotation (obs: {list(adata.obs.columns)[:20]}) nor a gene"
+            )
+        return sc.pl.umap(adata, color=key, show=False, return_fig=True, frameon=False)
+    # dotplot: annotation marker sets when annotated, else the top ranked genes
+    if groupby not in adata.obs.columns:
+        raise ToolError(f"plot dotplot: no cell annotation {groupby!r}: call leiden first")
+    annotation = adata.uns.get("annotation")
+    if annotation is not None:
+        markers = {
+            name: list(genes)[:GENES_PER_SET] for name, genes in annotation["markers"].items()
+        }
+        dot = sc.pl.dotplot(adata, markers, groupby=groupby, show=False, return_fig=True)
+    elif (
+        "rank_genes_groups" in adata.uns
+        and adata.uns["rank_genes_groups"]["params"]["groupby"] == groupby
+    ):
+        dot = sc.pl.rank_genes_groups_dotplot(
+            adata, n_genes=3, groupby=groupby, show=False, return_fig=True
+        )
+    else:
+        raise ToolError("plot dotplot needs annotate_clusters or rank_genes_groups first")
+    dot.make_figure()
+    return dot.fig
+
+
+def plot(
+    session: Session,
+    kind: Literal["qc_violin", "umap", "dotplot", "pca_variance"],
+    color: str | None = None,
+    groupby: Key = "leiden",
+    filename: str | None = None,
+) -> dict[str, Any]:
+    """Draw a figure to a PNG file in the sample's plots/ folder.
+
+    Kinds: 'qc_violin' (genes, counts, percent mitochondrial per cell; after qc_metrics),
+    'umap' (coloured by a cell annotation or gene; after umap), 'dotplot' (marker genes per
+    group; after annotate_clusters or rank_genes_groups), 'pca_variance' (after pca).
+
+    Args:
+        kind: Which figure.
+        color: For 'umap': cell annotation (e.g. 'leiden', 'cell_type') or gene to colour by;
+            defaults to groupby.
+        groupby: Cell annotation with the groups (umap default colour, dotplot rows).
+        filename: PNG file name inside plots/; defaults to KIND[_COLOR].png.
+    """
+    name = filename or (f"{kind}_{color or groupby}.png" if kind == "umap" else f"{kind}.png")
+    if not name.endswith(".png"):
+        raise ToolError(f"plot filename {name!r} must end in .png")
+    target = session.path_inside(f"{PLOT_DIR}/{name}")
+    if not target.is_relative_to(session.path_inside(PLOT_DIR)):
+        raise ToolError(f"plot filename {name!r} leaves the plots/ folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig = _figure(session, kind, color, groupby)
+        fig.savefig(target, dpi=100, bbox_inches="tight")
+    finally:
+        plt.close("all")
+    return {
+        "kind": kind,
+        "path": str(target.relative_to(session.outdir)),
+        "bytes": target.stat().st_size,
+    }

@@ -1,0 +1,184 @@
+"""From counts to a scaled, feature-selected matrix: normalise, select genes, regress, scale."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import scanpy as sc
+from pydantic import Field
+from scipy import sparse
+
+from agent.registry import ToolError
+from agent.tools.common import Limit, per_row
+from agent.tools.session import Session
+
+DENSE_LIMIT_BYTES = 4 * 2**30  # scale and regress_out make X dense; refuse beyond this
+
+
+def normalize(
+    session: Session,
+    target_sum: Annotated[float, Field(gt=0)] | None = None,
+) -> dict[str, Any]:
+    """Normalise each cell to the same total count and log1p-transform.
+
+    The raw counts stay in the layer 'counts'; the log-normalised values of all genes are also
+    kept in .raw, which marker ranking and annotation use after gene selection and scaling.
+
+    Args:
+        target_sum: Counts per cell after normalisation; leave out for the median total count.
+    """
+    if "normalize" in session.done:
+        raise ToolError("normalize was already applied; the data are log-normalised")
+    adata = session.adata
+    totals = per_row(adata.X, "sum")
+    if (totals == 0).any():
+        raise ToolError(
+            f"normalize: {int((totals == 0).sum())} cells have no counts; call filter_cells with min_counts=1 first"
+        )
+    target = float(np.median(totals)) if target_sum is None else target_sum
+    adata.layers["counts"] = adata.X.copy()
+    sc.pp.normalize_total(adata, target_sum=target)
+    sc.pp.log1p(adata)
+    adata.raw = adata
+    return {
+        "target_sum": target,
+        "target_sum_from": "median total counts" if target_sum is None else "given",
+        "log1p": True,
+        "counts_layer": "counts",
+        "raw": f"log-normalised, {adata.n_vars} genes",
+    }
+
+
+def highly_variable_genes(
+    session: Session,
+    flavor: Literal["seurat_v3", "seurat", "cell_ranger"] = "seurat_v3",
+    n_top_genes: Annotated[int, Field(ge=10)] | None = 2000,
+    subset: bool = True,
+    limit: Limit = 20,
+) -> dict[str, Any]:
+    """Select highly variable genes for PCA.
+
+    flavor 'seurat_v3' ranks genes by variance of the raw counts (the 'counts' layer); 'seurat'
+    and 'cell_ranger' use dispersion of the log-normalised data. Needs normalize first.
+
+    Args:
+        flavor: Method of scanpy's highly_variable_genes.
+        n_top_genes: Number of genes to select (required for seurat_v3; for the other flavours,
+            leave out to use scanpy's mean/dispersion cutoffs).
+        subset: Keep only the selected genes in X (all genes stay log-normalised in .raw).
+        limit: How many of the top genes to list in the result.
+    """
+    session.require("highly_variable_genes", "normalize")
+    if "scale" in session.done:
+        raise ToolError("highly_variable_genes must come before scale: the data are already scaled")
+    adata = session.adata
+    already = adata.var["highly_variable"].all() if "highly_variable" in adata.var else False
+    if "highly_variable_genes" in session.done and already:
+        raise ToolError("the data were already subset to highly variable genes")
+    if n_top_genes is not None and n_top_genes > adata.n_vars:
+        raise ToolError(
+            f"n_top_genes={n_top_genes} is more than the {adata.n_vars} genes in the data"
+        )
+    if flavor == "seurat_v3":
+        if n_top_genes is None:
+            raise ToolError("flavor 'seurat_v3' needs n_top_genes")
+        if importlib.util.find_spec("skmisc") is None:
+            raise ToolError(
+                "flavor 'seurat_v3' needs scikit-misc, which is not installed: use flavor='seurat'"
+            )
+        sc.pp.highly_variable_genes(
+            adata, flavor="seurat_v3", n_top_genes=n_top_genes, layer="counts"
+        )
+        rank_by = "variances_norm"
+    else:
+        sc.pp.highly_variable_genes(adata, flavor=flavor, n_top_genes=n_top_genes)
+        rank_by = "dispersions_norm"
+    hvg = adata.var["highly_variable"].to_numpy()
+    if not hvg.any():
+        raise ToolError("no gene passed the highly-variable cutoffs; give n_top_genes")
+    top = adata.var.loc[hvg, rank_by].sort_values(ascending=False)
+    if subset:
+        session.adata = adata[:, hvg].copy()
+    return {
+        "flavor": flavor,
+        "n_highly_variable": int(hvg.sum()),
+        "n_genes_before": adata.n_vars,
+        "subset": subset,
+        "n_genes_in_X": int(hvg.sum()) if subset else adata.n_vars,
+        "top_genes": list(top.index[:limit]),
+        "left_out": max(0, len(top) - limit),
+        "scanpy_params": dict(adata.uns.get("hvg", {})),
+    }
+
+
+def _check_dense_size(tool: str, adata: Any) -> None:
+    size = adata.n_obs * adata.n_vars * 4
+    if size > DENSE_LIMIT_BYTES:
+        raise ToolError(
+            f"{tool} would make a dense {adata.n_obs} x {adata.n_vars} matrix ({size / 2**30:.1f} GiB); "
+            "call highly_variable_genes with subset=true first"
+        )
+
+
+def regress_out(
+    session: Session,
+    keys: Annotated[tuple[str, ...], Field(min_length=1, max_length=5)] = (
+        "total_counts",
+        "pct_counts_mt",
+    ),
+) -> dict[str, Any]:
+    """Regress cell-level covariates (e.g. total counts, percent mitochondrial) out of each gene.
+
+    Optional; needs normalize first and comes before scale.
+
+    Args:
+        keys: Numeric cell annotations (obs columns) to regress out.
+    """
+    session.require("regress_out", "normalize")
+    if "scale" in session.done:
+        raise ToolError("regress_out must come before scale: the data are already scaled")
+    adata = session.adata
+    for key in keys:
+        if key not in adata.obs.columns:
+            raise ToolError(
+                f"regress_out: no cell annotation {key!r} (call qc_metrics for total_counts and pct_counts_mt)"
+            )
+        if not np.issubdtype(adata.obs[key].dtype, np.number):
+            raise ToolError(f"regress_out: {key!r} is not numeric (dtype {adata.obs[key].dtype})")
+    _check_dense_size("regress_out", adata)
+    sc.pp.regress_out(adata, keys, n_jobs=1)  # one job: results must not depend on the scheduler
+    return {"keys": list(keys), "n_genes": adata.n_vars, "n_cells": adata.n_obs}
+
+
+def scale(
+    session: Session,
+    max_value: Annotated[float, Field(gt=0)] | None = 10.0,
+    zero_center: bool = True,
+) -> dict[str, Any]:
+    """Scale each gene to unit variance (and zero mean), clipping values above max_value.
+
+    Needs normalize first; after highly_variable_genes with subset=true it scales only those genes.
+
+    Args:
+        max_value: Clip scaled values above this; leave out for no clipping.
+        zero_center: Centre each gene on zero (makes X dense).
+    """
+    session.require("scale", "normalize")
+    if "scale" in session.done:
+        raise ToolError("scale was already applied")
+    adata = session.adata
+    if zero_center:
+        _check_dense_size("scale", adata)
+        if sparse.issparse(adata.X):
+            adata.X = adata.X.toarray()  # centring makes it dense anyway; say so, not warn
+    sc.pp.scale(adata, max_value=max_value, zero_center=zero_center)
+    x = adata.X.data if sparse.issparse(adata.X) else adata.X
+    clipped = int(np.sum(np.abs(x) >= max_value)) if max_value is not None else 0
+    return {
+        "n_genes": adata.n_vars,
+        "max_value": max_value,
+        "zero_center": zero_center,
+        "values_clipped": clipped,
+    }

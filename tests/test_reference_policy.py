@@ -1,0 +1,212 @@
+"""ReferencePolicy: data-driven choices, bounded retries, and the whole analysis of each demo sample."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import anndata as ad
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.policies.reference import RECIPE, ReferencePolicy
+from agent.tools import build_registry
+from tests.fixtures_data import recovery, run_reference
+
+REGISTRY = build_registry()
+SCHEMAS = REGISTRY.schemas()
+RESULTS = {  # just the numbers the policy reads
+    "load_data": {"n_genes": 3000, "median_genes_per_cell": 400},
+    "filter_genes": {"genes_after": 2900},
+    "qc_metrics": {"n_cells": 2000, "suggested_thresholds": {
+        "min_genes": 300, "max_genes": 3000, "min_counts": 500, "max_counts": 20000, "max_pct_mt": 8.5}},
+    "filter_by_qc": {"cells_after": 1800, "removed": 200},
+    "highly_variable_genes": {"n_genes_in_X": 1450},
+    "remove_doublets": {"cells_after": 1700, "removed": 100},
+    "pca": {"n_comps": 50, "suggested_n_pcs": 9},
+    "cluster_sweep": {"best_resolution": 0.3},
+    "leiden": {"n_clusters": 8, "resolution": 0.3},
+    "annotate_clusters": {"label_sizes": {"B": 100, "NK": 50}},
+}  # fmt: skip
+
+
+class World:
+    """A stand-in with what the policy reads: entries with step, tool, params, status, result, error."""
+
+    def __init__(self) -> None:
+        self.entries: list[SimpleNamespace] = []
+
+    def record(self, decision, ok: bool = True, invalid: bool = False) -> dict:
+        """Record the call as the loop would: params validated (defaults filled), or as sent
+        when validation failed (``invalid``)."""
+        call = decision.calls[0]
+        params = orjson.loads(call.arguments)
+        recorded = {"_raw": call.arguments} if invalid else REGISTRY.validate(call.name, params)
+        self.entries.append(SimpleNamespace(
+            step=len(self.entries) + 1, tool=call.name, params=recorded,
+            status="ok" if ok else "error", result=RESULTS.get(call.name, {}) if ok else None,
+            error=None if ok else f"{call.name} broke",
+        ))  # fmt: skip
+        return params
+
+
+def decide(world: World):
+    return ReferencePolicy().decide([], SCHEMAS, world)
+
+
+def test_happy_sequence_uses_earlier_results():
+    world, calls = World(), []
+    for _ in range(40):
+        decision = decide(world)
+        if not decision.calls:
+            break
+        assert decision.calls[0].id == f"ref-{len(world.entries) + 1}"
+        calls.append((decision.calls[0].name, world.record(decision)))
+        if calls[-1][0] == "finish":
+            break
+    args = dict(calls)
+    assert [name for name, _ in calls][:4] == [
+        "load_data",
+        "filter_cells",
+        "filter_genes",
+        "qc_metrics",
+    ]
+    assert args["filter_cells"] == {"min_genes": 100}  # a quarter of 400 median genes
+    assert args["filter_by_qc"] == {"min_genes": 300, "max_genes": 3000, "max_pct_mt": 8.5}
+    assert args["detect_doublets"] == {"expected_doublet_rate": 0.06}
+    assert args["highly_variable_genes"] == {
+        "flavor": "seurat_v3",
+        "n_top_genes": 1450,
+        "subset": True,
+    }
+    assert args["pca"] == {"n_comps": 50}
+    assert args["neighbors"] == {"n_neighbors": 15, "n_pcs": 14}
+    assert args["leiden"] == {"resolution": 0.3}
+    plots = [a["kind"] + str(a.get("color")) for name, a in calls if name == "plot"]
+    assert plots == ["qc_violinNone", "umapleiden", "umapcell_type", "dotplotNone"]
+    assert calls[-1][0] == "finish" and "8 Leiden clusters" in args["finish"]["conclusion"]
+    assert len(calls) == len(RECIPE)
+
+
+def run_until_done(
+    world: World, fails: set[str], invalid: bool = False, limit: int = 60
+) -> list[str]:
+    names = []
+    for _ in range(limit):
+        decision = decide(world)
+        if not decision.calls:
+            return names
+        name = decision.calls[0].name
+        names.append(name)
+        world.record(decision, ok=name not in fails, invalid=invalid and name in fails)
+        if name == "finish" and name not in fails:
+            return names
+    raise AssertionError(f"no end after {limit} calls: {names}")
+
+
+@pytest.mark.parametrize("invalid", [False, True])
+def test_failed_optional_step_gets_its_fallback_then_is_skipped(invalid):
+    world = World()
+    names = run_until_done(world, fails={"detect_doublets"}, invalid=invalid)
+    assert names.count("detect_doublets") == 2 and "remove_doublets" not in names
+    fallback = [e for e in world.entries if e.tool == "detect_doublets"][1]
+    sent = orjson.loads(fallback.params["_raw"]) if invalid else fallback.params
+    assert sent["threshold"] == 0.25
+    assert names[-1] == "finish"
+
+
+@pytest.mark.parametrize("invalid", [False, True])
+def test_a_fallback_equal_to_the_failed_call_is_not_sent(invalid):
+    world = World()  # no cluster_sweep result: leiden's first choice is its fallback, 1.0
+    names = run_until_done(world, fails={"cluster_sweep", "leiden"}, invalid=invalid)
+    assert names.count("leiden") == 1 and names[-1] == "finish"
+
+
+def test_failed_required_step_ends_with_finish():
+    world = World()
+    names = run_until_done(world, fails={"pca"})
+    assert names.count("pca") == 2 and names[-1] == "finish" and "neighbors" not in names
+    assert "stopped early: pca failed" in world.entries[-1].params["conclusion"]
+
+
+def test_unloadable_input_and_unfinishable_run_stop_without_a_call():
+    assert run_until_done(World(), fails={"load_data"}) == ["load_data"]
+    world = World()
+    names = run_until_done(world, fails={"finish"})
+    assert names.count("finish") == 2
+    assert "cannot go on" in decide(world).text
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.booleans(), min_size=60, max_size=60))
+def test_never_loops_whatever_fails(outcomes):
+    world = World()
+    for ok in outcomes:
+        decision = decide(world)
+        if not decision.calls:
+            return
+        world.record(decision, ok=ok)
+        if ok and decision.calls[0].name == "finish":
+            return
+        same = [
+            e
+            for e in world.entries
+            if e.tool == decision.calls[0].name and e.params == world.entries[-1].params
+        ]
+        assert len(same) <= 1 or ok, "the same failing call twice"
+    raise AssertionError("no end within 60 calls")
+
+
+@pytest.mark.parametrize("name", ["pbmc1", "pbmc2", "pbmc3"])
+def test_reference_analysis_recovers_the_planted_truth(name, demo_inputs, tmp_path):
+    session, world = run_reference(demo_inputs[name], tmp_path)
+    assert all(e.status == "ok" for e in world.entries), [e.error for e in world.entries if e.error]
+    assert world.entries[-1].tool == "finish"
+    scores = recovery(session, demo_inputs[name])
+    assert scores["ari"] >= 0.8, scores
+    assert scores["damaged_removed"] >= 0.8, scores
+    assert scores["doublet_recall"] >= 0.5, scores
+    assert scores["empty_removed"] == 1.0, scores
+    assert scores["singlets_kept"] >= 0.85, scores
+    assert scores["label_accuracy"] >= 0.9, scores
+    plots = {p.name for p in (tmp_path / "plots").glob("*.png")}
+    assert plots == {"qc_violin.png", "umap_leiden.png", "umap_cell_type.png", "dotplot.png"}
+    final = ad.read_h5ad(tmp_path / "adata.h5ad")
+    assert final.n_obs == session.adata.n_obs and "cell_type" in final.obs
+    assert list((tmp_path / "checkpoints").glob("step_*.h5ad"))
+
+
+def test_agent_run_cli_with_the_reference_policy_and_resume(small_input, tmp_path):
+    """The whole thing through `python -m agent run` (the lead's loop and runner), stopped at a
+    step limit and resumed: the checkpoint is restored and the steps after it re-run exactly."""
+    outdir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "agent", "run", "--policy", "reference", "--input", str(small_input),
+           "--outdir", str(outdir), "--sample", "small"]  # fmt: skip
+    root = Path(__file__).parents[1]
+    first = subprocess.run(
+        [*cmd, "--max-steps", "10"], capture_output=True, text=True, timeout=600, cwd=root
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads((outdir / "world_state.json").read_text())["meta"]["status"] == "step_limit"
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((outdir / "world_state.json").read_text())
+    assert record["meta"]["status"] == "finished"
+    assert record["meta"]["resumed"][0]["checkpoint_step"] == 7  # steps 8-10 were re-run
+    entries = record["entries"]
+    assert [e["tool"] for e in entries][-1] == "finish" and all(
+        e["status"] == "ok" for e in entries
+    )
+    qc = next(e for e in entries if e["tool"] == "filter_by_qc")
+    assert (
+        qc["params"]["max_pct_mt"]
+        == next(e for e in entries if e["tool"] == "qc_metrics")["result"]["suggested_thresholds"][
+            "max_pct_mt"
+        ]
+    )
+    assert (outdir / "adata.h5ad").is_file() and len(list((outdir / "plots").glob("*.png"))) == 4

@@ -1,0 +1,144 @@
+"""load_data, save, finish: formats, the raw-counts check, bad input, paths kept inside."""
+
+from __future__ import annotations
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scanpy as sc
+from scipy import sparse
+
+from agent.tools.session import Session
+from tests.fixtures_data import call_tool as call
+
+
+@pytest.mark.parametrize("name", ["pbmc1", "pbmc2", "pbmc3"])
+def test_load_each_demo_format_from_the_run_input(name, demo_inputs, tmp_path):
+    session = Session(tmp_path, input_path=demo_inputs[name])
+    out = call(session, "load_data")
+    assert out.ok, out.error
+    r = out.result
+    assert r["format"] == {"pbmc1": "10x_mtx", "pbmc2": "h5ad", "pbmc3": "10x_h5"}[name]
+    assert (r["n_cells"], r["n_genes"]) == session.adata.shape
+    assert (r["n_mt_genes"], r["n_hb_genes"]) == (13, 10) and r["n_ribo_genes"] > 70
+    assert 0.6 < r["sparsity"] < 0.95
+    assert r["gene_symbols_from"] == "var_names" and r["warnings"] == []
+    assert sparse.isspmatrix_csr(session.adata.X) and session.adata.X.dtype == np.float32
+
+
+def test_loading_again_starts_over(fresh_session):
+    assert call(fresh_session, "load_data").ok
+    fresh_session.done |= {"load_data", "normalize"}
+    assert call(fresh_session, "load_data").ok
+    assert fresh_session.done == {"load_data"}  # what was done before applied to other data
+
+
+def _write(tmp_path, adata, name="in.h5ad"):
+    path = tmp_path / name
+    adata.write_h5ad(path)
+    return path
+
+
+def test_normalised_data_are_refused_with_the_reason(tmp_path):
+    # scanpy's bundled PBMC set: scaled values in X, log-normalised values in .raw
+    path = _write(tmp_path, sc.datasets.pbmc68k_reduced())
+    out = call(Session(tmp_path / "o", input_path=path), "load_data")
+    assert not out.ok
+    assert "not raw counts" in out.error and str(path) in out.error and "normalised" in out.error
+
+
+def test_float_counts_pass_and_a_counts_layer_is_pointed_to(tmp_path):
+    counts = sparse.random(300, 100, density=0.2, format="csr", random_state=1) * 20
+    counts.data = np.ceil(counts.data)
+    adata = ad.AnnData(counts.copy(), var=pd.DataFrame(index=[f"G{i}" for i in range(100)]))
+    path = _write(tmp_path, adata, "ints.h5ad")
+    assert call(
+        Session(tmp_path / "a", input_path=path), "load_data"
+    ).ok  # float dtype, integer values
+    normed = adata.copy()
+    normed.layers["counts"] = normed.X.copy()
+    sc.pp.normalize_total(normed)
+    sc.pp.log1p(normed)
+    path = _write(tmp_path, normed, "normed.h5ad")
+    out = call(Session(tmp_path / "b", input_path=path), "load_data")
+    assert not out.ok and "['counts']" in out.error and "layer=" in out.error
+    session = Session(tmp_path / "c", input_path=path)
+    out = call(session, "load_data", layer="counts")
+    assert out.ok and session.adata.X.sum() == counts.sum()
+
+
+@pytest.mark.parametrize(
+    ("matrix", "message"),
+    [
+        (np.zeros((0, 5), np.float32), "empty (0 cells x 5 genes)"),
+        (np.zeros((4, 5), np.float32), "no counts"),
+        (-np.ones((4, 5), np.float32), "not raw counts"),
+        (np.full((4, 5), 1.5, np.float32), "not raw counts: it holds 1.5"),
+    ],
+)
+def test_bad_matrices_get_a_clear_error(tmp_path, matrix, message):
+    adata = ad.AnnData(matrix, var=pd.DataFrame(index=[f"G{i}" for i in range(5)]))
+    out = call(Session(tmp_path / "o", input_path=_write(tmp_path, adata)), "load_data")
+    assert not out.ok and message in out.error
+
+
+def test_ensembl_ids_switch_to_the_symbol_column(tmp_path):
+    rng = np.random.default_rng(0)
+    names = ["MT-CO1", "CD3D", "LYZ", "RPL3"]
+    adata = ad.AnnData(
+        rng.poisson(3, (50, 4)).astype(np.float32),
+        var=pd.DataFrame({"gene_symbols": names}, index=[f"ENSG0000000000{i}" for i in range(4)]),
+    )
+    session = Session(tmp_path / "o", input_path=_write(tmp_path, adata))
+    out = call(session, "load_data")
+    assert out.ok and out.result["gene_symbols_from"] == "gene_symbols"
+    assert list(session.adata.var_names) == names and out.result["n_mt_genes"] == 1
+    out = call(session, "load_data", gene_symbols="no_such_column")
+    assert not out.ok and "no_such_column" in out.error
+
+
+def test_missing_unknown_and_outside_paths(tmp_path, small_input):
+    session = Session(tmp_path / "o", input_path=small_input)
+    for path, message in [
+        ("nothing.h5ad", "does not exist"),
+        ("../../etc/passwd", "neither the run's input"),
+        ("/etc/passwd", "neither the run's input"),
+    ]:
+        out = call(session, "load_data", path=path)
+        assert not out.ok and message in out.error, out.error
+    (tmp_path / "o" / "table.csv").write_text("a,b\n1,2\n")
+    out = call(session, "load_data", path="table.csv")
+    assert not out.ok and "unknown input format" in out.error
+    assert not call(Session(tmp_path / "p"), "load_data").ok  # no input at all
+
+
+def test_save_writes_inside_outdir_only(session_at):
+    session = session_at("filter_genes")
+    out = call(session, "save", path="sub/keep.h5ad")
+    assert out.ok and ad.read_h5ad(session.outdir / "sub/keep.h5ad").shape == session.adata.shape
+    for bad, message in [
+        ("../escape.h5ad", "leaves the sample's output folder"),
+        ("x.csv", "must end in .h5ad"),
+    ]:
+        out = call(session, "save", path=bad)
+        assert not out.ok and message in out.error
+    assert not (session.outdir.parent / "escape.h5ad").exists()
+
+
+def test_finish_writes_the_final_object_and_summary(session_at):
+    session = session_at("annotate_clusters")
+    out = call(session, "finish", conclusion="done")
+    assert out.ok, out.error
+    r = out.result
+    final = ad.read_h5ad(session.outdir / "adata.h5ad")
+    assert final.shape == (r["n_cells"], r["n_genes"]) == session.adata.shape
+    assert r["n_clusters"] == final.obs["leiden"].nunique() == len(r["leiden_sizes"])
+    assert sum(r["cell_type_sizes"].values()) == r["n_cells"]
+    assert "leiden" in r["steps_done"] and r["conclusion"] == "done"
+    assert not list(session.outdir.glob(".*tmp"))  # atomic write left no temp file
+
+
+def test_finish_without_data_is_an_error(tmp_path):
+    out = call(Session(tmp_path), "finish")
+    assert not out.ok and "load_data" in out.error

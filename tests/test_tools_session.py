@@ -1,0 +1,106 @@
+"""The session: paths kept inside, checkpoints written atomically and restored, stable digests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.registry import ToolError
+from agent.tools.session import Session, digest_adata, write_h5ad_atomic
+
+
+def test_path_inside_and_readable_path(tmp_path, small_input):
+    session = Session(tmp_path / "out", input_path=small_input)
+    assert session.path_inside("plots/a.png") == session.outdir / "plots/a.png"
+    for bad in ("../x", "/etc/passwd", "plots/../../x"):
+        with pytest.raises(ToolError, match="leaves the sample's output folder"):
+            session.path_inside(bad)
+    assert session.readable_path(None) == small_input.resolve()
+    assert session.readable_path(str(small_input)) == small_input.resolve()
+    assert session.readable_path("local.json") == session.outdir / "local.json"
+    assert session.readable_path(small_input.name) == small_input.resolve()
+    link = session.outdir / "sneaky"
+    link.symlink_to("/etc")
+    for bad in ("/etc/passwd", "../out2/x", "sneaky/passwd", str(small_input.parent / "truth.tsv")):
+        with pytest.raises(ToolError, match="neither the run's input"):
+            session.readable_path(bad)
+
+
+def test_readable_path_inside_a_10x_folder(tmp_path, demo_inputs):
+    folder = demo_inputs["pbmc1"]
+    session = Session(tmp_path, input_path=folder)
+    assert (
+        session.readable_path(str(folder / "matrix.mtx.gz")) == (folder / "matrix.mtx.gz").resolve()
+    )
+
+
+def test_checkpoints_after_expensive_steps_and_every_few_steps(session_at):
+    session = session_at("filter_genes")
+    session.checkpoint_every = 3
+    written = {step: session.after_step(step, tool) for step, tool in [
+        (1, "filter_cells"), (2, "plot"), (3, "qc_metrics"), (4, "filter_by_qc"),
+        (5, "pca"), (6, "plot"), (7, "save"), (8, "normalize"),
+    ]}  # fmt: skip
+    assert written[1] is None and written[2] is None  # cheap, and too soon
+    assert written[3].endswith("checkpoints/step_0003.h5ad")  # three steps since the start
+    assert written[4] is None
+    assert written[5].endswith("step_0005.h5ad")  # expensive
+    assert written[6] is None and written[7] is None  # read-only steps never
+    assert written[8].endswith("step_0008.h5ad")
+    folder = session.outdir / "checkpoints"
+    assert sorted(p.name for p in folder.glob("step_*.h5ad")) == [
+        "step_0005.h5ad",
+        "step_0008.h5ad",
+    ]
+    meta = json.loads((folder / "step_0008.json").read_text())
+    assert meta["step"] == 8 and "normalize" in meta["done"] and "pca" in meta["done"]
+    assert not list(folder.glob(".*"))  # no temporary files left
+
+
+def test_restore_loads_the_newest_checkpoint_at_or_before_a_step(session_at, small_input, tmp_path):
+    session = session_at("normalize")
+    first = session.digest()
+    session.after_step(9, "load_data")
+    call_done = set(session.done)
+    session.adata = session.adata[:100].copy()
+    session.after_step(12, "pca")
+    resumed = Session(session.outdir, input_path=small_input)
+    assert resumed.restore(8) is None
+    assert resumed.restore(11) == 9
+    assert resumed.digest() == first and resumed.done == call_done
+    assert resumed.restore(99) == 12 and resumed.adata.n_obs == 100
+    (session.outdir / "checkpoints" / "step_0012.json").unlink()  # incomplete: never used
+    assert Session(session.outdir).restore(99) == 9
+
+
+@pytest.mark.parametrize(
+    "stage",
+    [
+        "filter_by_qc",
+        "detect_doublets",
+        "normalize",
+        "scale",
+        "neighbors",
+        "leiden",
+        "rank_genes_groups",
+        "annotate_clusters",
+    ],
+)
+def test_digest_survives_an_h5ad_round_trip(session_at, stage, tmp_path):
+    import anndata as ad
+
+    session = session_at(stage)
+    path = tmp_path / "x.h5ad"
+    write_h5ad_atomic(session.adata, path)
+    assert digest_adata(ad.read_h5ad(path)) == session.digest()
+
+
+def test_digest_sees_graphs_and_raw(session_at):
+    session = session_at("pca")
+    before = session.digest()
+    session.adata.obsp["connectivities"] = session_at("neighbors").adata.obsp["connectivities"]
+    assert session.digest() != before
+    after_graph = session.digest()
+    session.adata.raw.X.data[0] += 1
+    assert session.digest() != after_graph

@@ -1,0 +1,255 @@
+"""The Snakemake workflow: lint, dry runs of each server mode, parse-time sheet errors, and the
+demo cohort end to end with `snakemake --cores 2` (the README's main command)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures_workflow import REPO, WorkflowDir, check_cohort_outputs
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """The 'Job stats' table of a snakemake run or dry run."""
+    table = output.split("Job stats:")[1].split("\n\n")[0]
+    rows = (line.split() for line in table.strip().splitlines()[2:])
+    return {row[0]: int(row[1]) for row in rows if len(row) == 2 and row[0] != "total"}
+
+
+def shell_commands(output: str, rule: str) -> list[str]:
+    """The shell commands of `rule`'s jobs in a `snakemake -n -p` output, one string per job."""
+    blocks = re.split(r"\n\s*\[[^\]]+\]\s*\n", output)
+    found = []
+    for block in blocks:
+        if re.search(rf"^\s*rule {rule}:", block, re.MULTILINE):
+            found.append(block.split("Shell command:", 1)[-1])
+    return found
+
+
+def groups(output: str) -> dict[str, list[str]]:
+    """{group id: [rule:wildcards, ...]} from the 'Group job' sections of a dry run."""
+    found: dict[str, list[str]] = {}
+    for section in re.split(r"Group job ", output)[1:]:
+        name = section.split()[0]
+        section = re.split(r"^\[|^Job stats", section, flags=re.MULTILINE)[0]  # next top-level job
+        members = re.findall(
+            r"^    rule (\w+):.*?wildcards: (\S+)", section, re.DOTALL | re.MULTILINE
+        )
+        found[name] = sorted(f"{rule}:{wc}" for rule, wc in members)
+    return found
+
+
+@pytest.fixture
+def inputs(workflow_dir: WorkflowDir) -> Path:
+    """A folder of existing (empty) input files a sheet can point at."""
+    folder = workflow_dir.path / "inputs"
+    folder.mkdir()
+    for name in "abcdef":
+        (folder / f"{name}.h5ad").touch()
+    return folder
+
+
+def test_lint_is_clean():
+    out = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--lint"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Congratulations, your workflow is in a good condition!" in out.stdout + out.stderr
+
+
+def test_demo_dry_run_plans_the_whole_cohort(workflow_dir: WorkflowDir):
+    out = workflow_dir.snakemake("-n", "-p")
+    assert out.returncode == 0, out.stdout
+    counts = job_counts(out.stdout)
+    assert counts == {"demo_data": 3, "analyze": 3, "replay": 3, "report": 1, "all": 1}
+    commands = shell_commands(out.stdout, "analyze")
+    assert len(commands) == 3
+    for cmd in commands:
+        assert "--policy reference" in cmd
+        assert "--endpoint-file" not in cmd and "--base-url" not in cmd
+    assert any("--input data/demo/pbmc1 " in cmd for cmd in commands)  # the 10x folder itself
+    synth = shell_commands(out.stdout, "demo_data")
+    assert sorted(re.search(r"--sample (\S+)", c).group(1) for c in synth) == [
+        "pbmc1",
+        "pbmc2",
+        "pbmc3",
+    ]
+
+
+def test_vllm_mode_shards_llm_samples_into_server_groups(workflow_dir: WorkflowDir, inputs: Path):
+    rows = [{"sample": f"s{i}", "path": f"inputs/{name}.h5ad"} for i, name in enumerate("abcde")]
+    rows.append({"sample": "ref", "path": "inputs/f.h5ad", "policy": "reference"})
+    workflow_dir.write_sheet(rows)
+    workflow_dir.configure(
+        analysis={"policy": "llm"},
+        server={"mode": "vllm", "samples_per_server": 2, "gres": "gpu:h100:1"},
+    )
+    out = workflow_dir.snakemake("-n", "-p", "--cores", "16")
+    assert out.returncode == 0, out.stdout
+    assert job_counts(out.stdout)["serve_vllm"] == 3
+    assert groups(out.stdout) == {
+        "server_shard000": ["analyze:sample=s0", "analyze:sample=s1", "serve_vllm:shard=shard000"],
+        "server_shard001": ["analyze:sample=s2", "analyze:sample=s3", "serve_vllm:shard=shard001"],
+        "server_shard002": ["analyze:sample=s4", "serve_vllm:shard=shard002"],
+    }
+    serve = shell_commands(out.stdout, "serve_vllm")
+    assert any(
+        "--endpoint-file results/servers/shard002.json" in c and "--agents 1" in c for c in serve
+    )
+    assert all("--agents" in c and "--gpus 1" in c and "--timeout 1800" in c for c in serve)
+    assert "gres=gpu:h100:1" in out.stdout and "gpu=1," not in out.stdout  # typed gres replaces gpu
+    analyze = {
+        re.search(r"--sample (\S+)", c).group(1): c for c in shell_commands(out.stdout, "analyze")
+    }
+    assert "--endpoint-file results/servers/shard001.json" in analyze["s3"]
+    assert "until test -s results/servers/shard001.json" in analyze["s3"]  # waits for health
+    assert "--policy reference" in analyze["ref"] and "results/servers" not in analyze["ref"]
+
+
+def test_external_mode_passes_the_given_endpoint(workflow_dir: WorkflowDir, inputs: Path):
+    key = workflow_dir.path / "api.key"
+    key.write_text("secret\n")
+    workflow_dir.write_sheet([{"sample": "a", "path": "inputs/a.h5ad", "policy": "llm"}])
+    workflow_dir.configure(
+        server={"mode": "external", "base_url": "http://node7:8000/v1", "api_key_file": str(key)}
+    )
+    out = workflow_dir.snakemake("-n", "-p")
+    assert out.returncode == 0, out.stdout
+    assert "serve_vllm" not in job_counts(out.stdout)
+    (cmd,) = shell_commands(out.stdout, "analyze")
+    assert f"--base-url http://node7:8000/v1 --model Qwen/Qwen3-8B --api-key-file {key}" in cmd
+
+    workflow_dir.configure(server={"api_key_file": str(workflow_dir.path / "missing.key")})
+    out = workflow_dir.snakemake("-n")
+    assert out.returncode != 0
+    assert "config server.api_key_file" in out.stdout and "missing.key" in out.stdout
+
+
+def test_sheet_overrides_reach_the_job(workflow_dir: WorkflowDir, inputs: Path):
+    brief = "focus on 'T cells'; expect ~10% doublets"
+    workflow_dir.write_sheet(
+        [
+            {"sample": "a", "path": "inputs/a.h5ad", "brief": brief, "mem_mb": "1234",
+             "runtime": "7", "cpus_per_task": "3", "seed": "42", "max_steps": "9"},
+            {"sample": "b", "path": str(inputs / "b.h5ad")},  # absolute paths are fine too
+        ]
+    )  # fmt: skip
+    out = workflow_dir.snakemake("-n", "-p", "--cores", "4")
+    assert out.returncode == 0, out.stdout
+    a, b = sorted(shell_commands(out.stdout, "analyze"), key=lambda c: "--sample b" in c)
+    assert "--brief 'focus on '\"'\"'T cells'\"'\"'; expect ~10% doublets'" in a
+    assert "--seed 42 --max-steps 9" in a and "--seed 0 --max-steps 120" in b
+    assert "OMP_NUM_THREADS=3" in a and "OMP_NUM_THREADS=2" in b
+    resources = re.findall(r"rule analyze:.*?resources: ([^\n]+)", out.stdout, re.DOTALL)
+    assert any(
+        "runtime=7" in r and "cpus_per_task=3" in r and "mem_mb=1234" in r for r in resources
+    )
+    assert any("runtime=60" in r and "mem_mb=8000" in r for r in resources)
+
+
+BAD_SHEETS = {
+    "missing column": (
+        [{"sample": "a", "policy": "reference"}],
+        "line 1, column 'path': missing column",
+    ),
+    "duplicate sample": (
+        [{"sample": "a", "path": "inputs/a.h5ad"}, {"sample": "a", "path": "inputs/b.h5ad"}],
+        "line 3 (sample 'a'), column 'sample': duplicate sample (first on line 2)",
+    ),
+    "missing path": (
+        [{"sample": "a", "path": "inputs/a.h5ad"}, {"sample": "b", "path": "inputs/nope.h5ad"}],
+        "line 3 (sample 'b'), column 'path': 'inputs/nope.h5ad' does not exist",
+    ),
+    "unknown policy": (
+        [{"sample": "a", "path": "inputs/a.h5ad", "policy": "gpt-9"}],
+        "line 2 (sample 'a'), column 'policy': 'gpt-9' is not one of ['reference', 'llm']",
+    ),
+    "negative resource": (
+        [{"sample": "a", "path": "inputs/a.h5ad"}, {"sample": "b", "path": "inputs/b.h5ad", "mem_mb": "-4000"}],
+        "line 3 (sample 'b'), column 'mem_mb': -4000 is less than the minimum of 1",
+    ),
+    "resource not a number": (
+        [{"sample": "a", "path": "inputs/a.h5ad", "runtime": "2h"}],
+        "line 2 (sample 'a'), column 'runtime': expected a whole number, got '2h'",
+    ),
+    "unknown column": (
+        [{"sample": "a", "path": "inputs/a.h5ad", "mem_MB": "100"}],
+        "line 1, column 'mem_MB': unknown column",
+    ),
+    "empty path": (
+        [{"sample": "a", "path": "inputs/a.h5ad"}, {"sample": "b", "policy": "llm"}],
+        "line 3 (sample 'b'), column 'path': empty cell, a value is required",
+    ),
+    "bad sample name": (
+        [{"sample": "a/b", "path": "inputs/a.h5ad"}],
+        "line 2 (sample 'a/b'), column 'sample': 'a/b' does not match",
+    ),
+    "llm without a server": (
+        [{"sample": "a", "path": "inputs/a.h5ad"}, {"sample": "b", "path": "inputs/b.h5ad", "policy": "llm"}],
+        "line 3 (sample 'b'), column 'policy': policy 'llm' needs a model server but config "
+        "server.mode is 'none'",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_SHEETS))
+def test_bad_sheet_fails_before_any_job(workflow_dir: WorkflowDir, inputs: Path, case: str):
+    rows, expected = BAD_SHEETS[case]
+    workflow_dir.write_sheet(rows)
+    out = workflow_dir.snakemake("--cores", "1")  # a real run: nothing may start
+    assert out.returncode != 0
+    assert f"sample sheet samples.tsv, {expected}" in out.stdout, out.stdout
+    assert "Job stats" not in out.stdout
+    assert (
+        not (workflow_dir.path / "logs").exists() and not (workflow_dir.path / "results").exists()
+    )
+
+
+def test_llm_default_without_server_names_the_config_key(workflow_dir: WorkflowDir):
+    workflow_dir.configure(analysis={"policy": "llm"})
+    out = workflow_dir.snakemake("-n")
+    assert out.returncode != 0
+    assert "config analysis.policy: policy 'llm' needs a model server" in out.stdout, out.stdout
+
+
+def test_missing_sheet_is_named(workflow_dir: WorkflowDir):
+    workflow_dir.configure(samples="nowhere.tsv")
+    out = workflow_dir.snakemake("-n")
+    assert out.returncode != 0
+    assert "sample sheet nowhere.tsv does not exist (config key 'samples')" in out.stdout
+
+
+def test_unreadable_input_is_a_recorded_result(workflow_dir: WorkflowDir, inputs: Path):
+    """An analysis that cannot finish still completes its job with a record (shown as failed in
+    the report); only the final AnnData is missing."""
+    workflow_dir.write_sheet([{"sample": "a", "path": "inputs/a.h5ad"}])  # an empty file
+    out = workflow_dir.snakemake("--cores", "1", "results/samples/a/world_state.json")
+    assert out.returncode == 0, out.stdout
+    folder = workflow_dir.path / "results" / "samples" / "a"
+    state = json.loads((folder / "world_state.json").read_text())
+    assert state["meta"]["status"] != "finished"
+    assert state["entries"][0]["tool"] == "load_data" and state["entries"][0]["status"] == "error"
+    assert not (folder / "adata.h5ad").exists()
+    assert "analysis ended without finish" in (workflow_dir.path / "logs/analyze/a.log").read_text()
+
+
+@pytest.mark.slow
+def test_demo_cohort_end_to_end(workflow_dir: WorkflowDir):
+    """`snakemake --cores 2` on the demo cohort: data, analyses, replays and the report."""
+    out = workflow_dir.snakemake("--cores", "2", timeout=1200)
+    wd = workflow_dir.path
+    logs = "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in sorted(wd.glob("logs/*/*.log")))
+    assert out.returncode == 0, out.stdout[-5000:] + logs
+    check_cohort_outputs(wd)
+    # a second run has nothing to do: outputs are complete and up to date
+    again = workflow_dir.snakemake("--cores", "2", "-n")
+    assert "Nothing to be done" in again.stdout, again.stdout

@@ -1,0 +1,38 @@
+# One agent job per sample: the agent loop with the sample's policy, writing the provenance
+# record (world_state.json), per-step metrics, checkpoints, plots and, when the analysis
+# finishes, the final adata.h5ad. An analysis that ends unfinished (e.g. unreadable input) still
+# exits 0 with its record: the report shows it as failed. A crash exits non-zero; the unfinished
+# record in checkpoints/ (not an output, so Snakemake keeps it) lets the retry resume.
+
+
+rule analyze:
+    """Analyse one sample with `agent run` (reference or llm policy)."""
+    input:
+        unpack(analyze_input),
+    output:
+        world_state="results/samples/{sample}/world_state.json",
+        metrics="results/samples/{sample}/metrics.jsonl",
+    log:
+        "logs/analyze/{sample}.log",
+    params:
+        args=analyze_args,
+        outdir=lambda wildcards, output: Path(output.world_state).parent,
+        wait_for_server=wait_for_server,
+    threads: sample_value("cpus_per_task")
+    resources:
+        runtime=sample_value("runtime"),
+        mem_mb=sample_value("mem_mb"),
+        cpus_per_task=sample_value("cpus_per_task"),
+        **analyze_partition(),
+    group:
+        analyze_group
+    conda:
+        "../../envs/agent.yaml"
+    shell:
+        """
+        echo "host $(hostname), slurm job ${{SLURM_JOB_ID:-none}}" > {log:q}
+        {{ {params.wait_for_server}; }} >> {log:q} 2>&1
+        # BLAS threads within the job's allocation
+        export OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} MKL_NUM_THREADS={threads}
+        python -m agent run --outdir {params.outdir:q} {params.args} >> {log:q} 2>&1
+        """

@@ -1,0 +1,48 @@
+# Replay every recorded analysis without a model, then aggregate the cohort.
+
+
+rule replay:
+    """Re-run the recorded steps of one sample and compare the results with the record."""
+    input:
+        world_state="results/samples/{sample}/world_state.json",
+    output:
+        replay="results/samples/{sample}/replay.json",
+    log:
+        "logs/replay/{sample}.log",
+    threads: sample_value("cpus_per_task")  # the thread count of the run it checks
+    resources:
+        cpus_per_task=sample_value("cpus_per_task"),
+        **rule_resources("replay"),
+    conda:
+        "../../envs/agent.yaml"
+    shell:
+        """
+        export OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} MKL_NUM_THREADS={threads}
+        # exit 1 = diverged: a finding the report shows; only a replay that broke fails the job
+        python -m agent replay --world-state {input.world_state:q} --out {output.replay:q} > {log:q} 2>&1 \
+            || [ $? -eq 1 ]
+        """
+
+
+rule report:
+    """The cohort report (index.html, cohort.tsv, RO-Crate) from all world states and replays."""
+    input:
+        world_states=expand("results/samples/{sample}/world_state.json", sample=SAMPLES),
+        replays=expand("results/samples/{sample}/replay.json", sample=SAMPLES),
+    output:
+        html=report("results/report/index.html", category="Cohort report"),
+        tsv="results/report/cohort.tsv",
+        crate="results/report/ro-crate/ro-crate-metadata.json",
+    log:
+        "logs/report/report.log",
+    params:
+        outdir=lambda wildcards, output: Path(output.html).parent,
+        workflow_root=workflow.basedir,  # the Snakefile's folder, for the crate
+    resources:
+        **rule_resources("report"),
+    threads: 1
+    conda:
+        "../../envs/agent.yaml"
+    shell:
+        "python -m agent report --world-states {input.world_states:q} --replays {input.replays:q}"
+        " --outdir {params.outdir:q} --workflow-root {params.workflow_root:q} > {log:q} 2>&1"

@@ -1,0 +1,24 @@
+# One vLLM server per shard of llm samples (server.mode: vllm). Its endpoint file is a service
+# output: the shard's analyze jobs run beside it in one group (one Slurm allocation), and
+# Snakemake stops the server once they have all finished.
+
+
+rule serve_vllm:
+    """Start a vLLM server for one shard; it writes the endpoint file only once healthy."""
+    output:
+        endpoint=service(ENDPOINT),
+    log:
+        "logs/serve_vllm/{shard}.log",
+    params:
+        command=SERVER["command"],
+        args=serve_args,
+    resources:
+        **server_resources(),
+    threads: 1
+    group:
+        "server_{shard}"
+    conda:
+        "../../envs/vllm.yaml"
+    shell:
+        # exec: the server itself receives Snakemake's SIGTERM at the end, not a wrapping shell
+        "exec {params.command} --endpoint-file {output.endpoint:q} {params.args} > {log:q} 2>&1"
