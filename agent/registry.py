@@ -84,7 +84,9 @@ def _build(fn: Callable[..., dict[str, Any]]) -> _Tool:
             else FieldInfo.from_annotated_attribute(p.annotation, default)
         )
         if info.description is None and param_docs.get(p.name):
-            info.description = param_docs[p.name]
+            info.description = " ".join(
+                param_docs[p.name].split()
+            )  # docstring wraps are not content
         fields[p.name] = (info.annotation, info)
     model = create_model(f"{fn.__name__}_args", __config__=ConfigDict(extra="forbid"), **fields)
     description = "\n\n".join(x for x in (doc.short_description, doc.long_description) if x)

@@ -104,6 +104,26 @@ def test_scale_and_pca(session_at):
     assert session.adata.uns["pca"]["params"]["zero_center"] is True
 
 
+def test_scale_order(session_at):
+    out = call(session_at("load_data"), "scale")
+    assert not out.ok and "scale needs normalize first" in out.error
+    session = session_at("scale")
+    assert "already" in call(session, "scale").error
+    assert "before scale" in call(session, "highly_variable_genes").error
+    assert not call(session, "scale", max_value=-1).ok
+
+
+def test_umap_happy_path_and_bad_values(session_at):
+    session = session_at("neighbors")
+    out = call(session, "umap", min_dist=2.0, spread=3.0)
+    assert not out.ok and "min_dist" in out.error  # at most 1
+    out = call(session, "umap", min_dist=0.8, spread=0.5)
+    assert not out.ok and "must not exceed spread" in out.error
+    out = call(session, "umap", min_dist=0.3)
+    assert out.ok and session.adata.obsm["X_umap"].shape == (session.adata.n_obs, 2)
+    assert out.result["extent"][0][0] < out.result["extent"][0][1]
+
+
 def test_neighbors_n_pcs_beyond_pca(session_at):
     session = session_at("pca")
     available = session.adata.obsm["X_pca"].shape[1]

@@ -30,6 +30,21 @@ def test_qc_metrics_quantiles_and_mad_suggestions(session_at, small_input):
     assert r["cells_outside_each"]["max_pct_mt"] == flagged.sum()
 
 
+@pytest.mark.parametrize(
+    ("args", "message"), [({"nmads": 0}, "nmads"), ({"nmads_mt": 11}, "nmads_mt")]
+)
+def test_qc_metrics_bad_values(session_at, args, message):
+    out = call(session_at("filter_genes"), "qc_metrics", **args)
+    assert not out.ok and message in out.error
+
+
+def test_qc_metrics_without_mitochondrial_genes(session_at):
+    out = call(
+        session_at("filter_genes"), "qc_metrics", mt_prefix="mt-"
+    )  # mouse prefix, human data
+    assert out.ok and out.result["gene_sets"]["mt"] == 0 and out.result["pct_counts_mt"]["p99"] == 0
+
+
 def test_filter_cells_happy_path_and_errors(session_at):
     session = session_at("load_data")
     n = session.adata.n_obs

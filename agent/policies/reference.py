@@ -3,9 +3,10 @@
 It reads no messages. The next call is a pure function of the world state's entries: the first
 recipe step that has not succeeded yet, with arguments computed from the results of earlier
 steps (QC thresholds from qc_metrics' MAD suggestions, n_pcs from pca's elbow, the resolution
-from cluster_sweep...). A step that failed is retried with each fallback whose arguments were not tried yet; an
-optional step then gets skipped, a required one ends the analysis with finish (or, before any data
-were loaded, with no call at all). So it never makes the same failing call twice, and ends.
+from cluster_sweep...). A step that failed is retried with each fallback whose arguments were
+not tried yet; an optional step then gets skipped, a required one ends the analysis with finish
+(or, before any data were loaded, with no call at all). So it never makes the same failing call
+twice, and it always ends.
 """
 
 from __future__ import annotations
