@@ -1,0 +1,188 @@
+"""One vLLM server for a benchmark, started through ``python -m agent serve`` and always stopped.
+
+The model is the tiny random-weight Qwen3-style model of tests/tiny_model.py unless a model
+directory is given: its text is noise, but token counts, prefix caching and prefill costs are the
+server's real ones. The server runs with ``VLLM_SERVER_DEV_MODE=1`` so that a benchmark can empty
+the prefix cache between arms (``POST /reset_prefix_cache``) and compare them from the same start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+
+from agent.policies.llm import LLMPolicy
+from agent.serve.endpoint import Endpoint, http_json, read_endpoint, root_url
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # tests/tiny_model.py builds the default model
+    sys.path.insert(0, str(REPO))
+
+SERVED_NAME = "bench-model"
+STOP_TIMEOUT_S = 90.0
+
+
+class ServerFailed(RuntimeError):
+    """The server did not become ready; the message carries the launcher's stderr."""
+
+
+@dataclass
+class Server:
+    endpoint: Endpoint
+    launcher: subprocess.Popen
+    startup_s: float
+
+    @property
+    def base_url(self) -> str:
+        return self.endpoint.url
+
+    @property
+    def api_key(self) -> str:
+        return self.endpoint.api_key or "EMPTY"
+
+    def policy(self, max_tokens: int = 8) -> LLMPolicy:
+        """The agent's LLM policy for this server, every reply exactly ``max_tokens`` long (the
+        random model stops at random; a fixed length keeps the decode work of arms equal)."""
+        policy = LLMPolicy(self.base_url, self.endpoint.model, self.api_key, max_tokens=max_tokens)
+        policy.sampling["extra_body"] = {"ignore_eos": True}
+        return policy
+
+    def warm_up(self, tools: list[dict]) -> None:
+        """One request with the agent's tools, before anything is measured: first-use costs (the
+        tool-call grammar, lazy initialisation) must not land in the first arm's figures. Its
+        prompt shares no prefix with an agent's (no system message), so it warms no cache."""
+        client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key)
+        client.chat.completions.create(
+            model=self.endpoint.model,
+            messages=[{"role": "user", "content": "Warm up: call any tool."}],
+            tools=tools,
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """Sums of the server's Prometheus series by name (label sets added up)."""
+        status, text = http_json("GET", root_url(self.base_url) + "/metrics", self.api_key)
+        if status != 200:
+            raise ServerFailed(f"/metrics answered {status}")
+        sums: dict[str, float] = {}
+        for line in str(text).splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                key = name.split("{")[0]
+                sums[key] = sums.get(key, 0.0) + float(value)
+        return sums
+
+    def reset_prefix_cache(self) -> None:
+        status, body = http_json(
+            "POST", root_url(self.base_url) + "/reset_prefix_cache", self.api_key
+        )
+        if status != 200:
+            raise ServerFailed(f"/reset_prefix_cache answered {status}: {str(body)[:200]}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server options every serving benchmark shares."""
+    parser.add_argument(
+        "--model", help="model directory (default: the tiny test model, built here)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context length (default: the KV plan's, the model's full context here)",
+    )
+    parser.add_argument(
+        "--serve-args",
+        default="--enforce-eager",
+        help="more arguments for `python -m agent serve` (default: %(default)s: on CPU,"
+        " torch.compile adds minutes of start-up and nothing measurable for the tiny model)",
+    )
+
+
+def serve_from_args(args: argparse.Namespace, workdir: Path, agents: int = 4):
+    return serve(
+        workdir,
+        args.model,
+        max_model_len=args.max_model_len,
+        agents=agents,
+        serve_args=tuple(shlex.split(args.serve_args)),
+    )
+
+
+def tiny_model(workdir: Path) -> Path:
+    from transformers.utils import logging as hf_logging
+
+    from tests.tiny_model import build_tiny_model
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in a benchmark's output
+    target = workdir / "tiny-qwen3"
+    return target if (target / "config.json").exists() else build_tiny_model(target)
+
+
+@contextlib.contextmanager
+def serve(
+    workdir: Path,
+    model: str | Path | None = None,
+    *,
+    max_model_len: int | None = 32768,
+    agents: int = 4,
+    serve_args: tuple[str, ...] = (),
+    timeout_s: float = 900.0,
+) -> Iterator[Server]:
+    """Start ``python -m agent serve`` (cpu unless ``serve_args`` say otherwise); stop it on exit."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = Path(model) if model else tiny_model(workdir)
+    endpoint_file = workdir / "server.json"
+    endpoint_file.unlink(missing_ok=True)  # an earlier server's file must not be taken for this one
+    argv = [
+        *(sys.executable, "-m", "agent", "serve", "--model", str(model)),
+        *("--served-model-name", SERVED_NAME, "--endpoint-file", str(endpoint_file)),
+        *("--agents", str(agents), "--timeout", str(timeout_s)),
+        *(("--max-model-len", str(max_model_len)) if max_model_len else ()),
+        *serve_args,
+    ]
+    if "--gpu" not in serve_args:
+        argv += ["--gpu", "cpu"]
+    # the KV cache space on CPU stays the launcher's choice (or the caller's VLLM_CPU_KVCACHE_SPACE)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    err_path = workdir / "launcher.err"
+    # SIGTERM (a batch system's stop) must also run the `finally` below, which stops the server
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    start = time.monotonic()
+    with open(err_path, "w") as err:  # a file, not a pipe: it never fills up
+        launcher = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        while not endpoint_file.exists():
+            if launcher.poll() is not None or time.monotonic() - start > timeout_s + 30:
+                raise ServerFailed(
+                    f"`{' '.join(argv[1:])}` did not become ready (status {launcher.poll()}):\n"
+                    + err_path.read_text()[-4000:]
+                )
+            time.sleep(0.5)
+        yield Server(read_endpoint(endpoint_file), launcher, time.monotonic() - start)
+    finally:
+        stop(launcher)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop(launcher: subprocess.Popen) -> None:
+    """SIGTERM the launcher (it stops vLLM's whole process group); SIGKILL only if it hangs."""
+    if launcher.poll() is None:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
