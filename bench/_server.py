@@ -107,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--serve-args",
         default="--enforce-eager",
         help="more arguments for `python -m agent serve` (default: %(default)s: on CPU,"
-        " torch.compile adds minutes of start-up and nothing measurable for the tiny model)",
+        " torch.compile adds minutes of start-up and did not speed up the tiny model)",
     )
 
 

@@ -14,8 +14,9 @@ result summary included; the plain script's timing of each step's scanpy calls) 
 (start-up and imports; for the tools also the data digests, checkpoints and world-state saves);
 and the ratios. CPU seconds are the steadier figure when other work shares the machine.
 
-Default sizes are 5,000 and 20,000 cells: 100,000 (``--sizes 5000 20000 100000``) takes tens of
-minutes per arm on a 2-core machine and about 5 GiB of memory, beyond a routine run.
+Default sizes are 5,000 and 20,000 cells (about 5 minutes on two cores): 100,000
+(``--sizes 5000 20000 100000``) takes about 20 minutes per arm there and 7.6 GiB of memory, beyond
+a routine run.
 
     python bench/tool_overhead.py [--sizes 5000 20000]
 """
