@@ -56,6 +56,7 @@ class TokenCounter:
     def __init__(self, encode: Callable[[str], int] | None = None):
         self._encode = encode or char_estimate
         self._cache: dict[str, int] = {}
+        self._by_message: dict[int, tuple[Message, int]] = {}  # id -> (message, raw count)
         self.factor = 1.0
 
     def raw(self, text: str) -> int:
@@ -67,10 +68,18 @@ class TokenCounter:
         return n
 
     def raw_message(self, m: Message) -> int:
+        """Counted once per message object: the history's messages are never changed in place
+        (truncation replaces them), and each is counted several times per step."""
+        hit = self._by_message.get(id(m))
+        if hit is not None and hit[0] is m:
+            return hit[1]
         text = m.get("content") or ""
         if m.get("tool_calls"):
             text += orjson.dumps(m["tool_calls"]).decode()
-        return self.raw(text) + MESSAGE_OVERHEAD
+        n = self._by_message[id(m)] = (m, self.raw(text) + MESSAGE_OVERHEAD)
+        if len(self._by_message) > 4096:
+            self._by_message.pop(next(iter(self._by_message)))
+        return n[1]
 
     def raw_prompt(self, messages: list[Message], tools: list[dict[str, Any]]) -> int:
         return sum(self.raw_message(m) for m in messages) + self.raw(orjson.dumps(tools).decode())

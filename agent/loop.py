@@ -85,7 +85,7 @@ def run_loop(
             else:
                 context.add_result(call_id, outcome)
             failures = 0 if outcome.ok else failures + 1
-        world.save_record(outdir)
+        world.save_record(outdir, step=True)
         _report(outdir, log, world, decision, context, think, outcomes)
         if any(o.ok and o.tool == "finish" for _, o in outcomes):
             return "finished"

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent.runner import checksum, now, versions
-from agent.tools.session import CHECKPOINT_DIR
+from agent.tools.session import CHECKPOINT_DIR, DIGEST_VERSION
 from agent.world_state import Entry, WorldState, atomic_write
 
 RTOL = 1e-6
@@ -317,6 +317,12 @@ def replay(
         if remove:
             shutil.rmtree(scratch, ignore_errors=True)
     text, step, summary = verdict(steps)
+    digest_versions = {"recorded": recorded.meta.get("digest_version", 1), "replay": DIGEST_VERSION}
+    if step is not None and digest_versions["recorded"] != DIGEST_VERSION:
+        summary += (
+            f"; the record's data digests are of digest version {digest_versions['recorded']}, "
+            f"this replay's of version {DIGEST_VERSION}: digests cannot match"
+        )
     if problem and step is None:  # every call matched, then the run broke (e.g. writing the record)
         step = calls[-1].step if calls else None
         text = f"diverged at step {step}" if step else "diverged"
@@ -336,6 +342,7 @@ def replay(
         "sample": recorded.meta.get("sample"),
         "input": str(input_path),
         "input_sha256": recorded.meta["input_sha256"],
+        "digest_versions": digest_versions,
         "recorded_status": recorded.meta.get("status"),
         "replay_status": status,
         "replay_error": problem,

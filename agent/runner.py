@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import platform
 import sys
 from datetime import UTC, datetime
@@ -17,6 +18,8 @@ from agent.policies.base import Policy
 from agent.prompts import BRIEF, RESUMED, SYSTEM_PROMPT
 from agent.world_state import RECORD_NAMES, WorldState
 
+# The loop appends to the first; the second, the same file, survives Snakemake's clean-up.
+METRICS_NAMES = ("metrics.jsonl", "checkpoints/metrics.jsonl")
 PACKAGES = (
     "scagent",
     "scanpy",
@@ -83,13 +86,13 @@ def make_policy(
 
     if args.endpoint_file:
         ep = read_endpoint(args.endpoint_file)
-        url, model, key = ep.url, ep.model, ep.api_key
+        url, model, key, endpoint_file = ep.url, ep.model, ep.api_key, args.endpoint_file
         meta["server_flags"] = ep.flags
         tokenizer = args.tokenizer or ep.info.get("model_path")
     elif args.base_url and args.model:
         url, model = args.base_url, args.model
         key = Path(args.api_key_file).read_text().strip() if args.api_key_file else "EMPTY"
-        tokenizer = args.tokenizer
+        tokenizer, endpoint_file = args.tokenizer, None
     else:
         raise SystemExit(
             "--policy llm needs --endpoint-file FILE, or --base-url URL and --model NAME"
@@ -101,8 +104,11 @@ def make_policy(
         model,
         api_key=key,
         timeout=args.request_timeout,
+        max_retries=args.request_retries,
         seed=args.seed,
         max_tokens=args.max_tokens,
+        outage_wait=args.outage_wait,
+        endpoint_file=endpoint_file,
     )
     return policy, policy.context_limit(), tokenizer
 
@@ -112,17 +118,25 @@ def resume_point(outdir: Path, input_sha256: str, fresh: bool) -> WorldState | N
     path = outdir / RECORD_NAMES[1]
     if fresh or not path.exists():
         return None
-    earlier = WorldState.load(path)
+    try:
+        earlier = WorldState.load(path)
+    except ValueError as e:  # writes are atomic, so only outside damage does this
+        raise SystemExit(
+            f"cannot resume: {e}; rerun with --fresh to start this sample over"
+        ) from None
     if earlier.meta.get("status") == "finished" or earlier.meta.get("input_sha256") != input_sha256:
         return None
     return earlier
 
 
-def catch_up(world: WorldState, session: Any, registry: Any) -> int:
-    """Bring the session to the state after the last recorded step: load the newest checkpoint,
-    then re-run the recorded calls after it, checking each lands on its recorded digest."""
+def catch_up(world: WorldState, session: Any, registry: Any) -> dict[str, Any]:
+    """Bring the session to the state after the last recorded step: load the newest checkpoint
+    that holds its step's recorded data (a damaged one is passed over), then re-run the recorded
+    calls after it, checking each lands on its recorded digest. Returns what was done, for meta."""
     last = world.entries[-1].step if world.entries else 0
-    restored = session.restore(last) or 0
+    digests = {e.step: e.digest_after for e in world.entries}
+    restored, rejected = session.restore(last, digests)
+    restored = restored or 0
     for e in world.entries:
         if e.step <= restored or e.status != "ok":
             continue
@@ -132,12 +146,26 @@ def catch_up(world: WorldState, session: Any, registry: Any) -> int:
                 f"cannot resume: step {e.step} ({e.tool}) did not reproduce its recorded result "
                 f"({out.error or 'data digest differs'}); rerun with --fresh"
             )
-    return restored
+    done = {"at_step": world.next_step, "checkpoint_step": restored, "time": now()}
+    return {**done, "rejected_checkpoints": rejected} if rejected else done
+
+
+def keep_metrics(outdir: Path, fresh: bool) -> None:
+    """metrics.jsonl is a declared output, which Snakemake deletes when a job fails: the loop
+    appends to a hard link of a file kept beside the checkpoints, so a resumed run goes on with
+    the rows of the attempts before it."""
+    path, kept = (outdir / name for name in METRICS_NAMES)
+    if fresh:
+        kept.unlink(missing_ok=True)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.touch()
+    path.unlink(missing_ok=True)
+    os.link(kept, path)
 
 
 def run_sample(args: argparse.Namespace) -> str:
     from agent.tools import build_registry
-    from agent.tools.session import Session
+    from agent.tools.session import DIGEST_VERSION, Session
 
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
@@ -147,8 +175,8 @@ def run_sample(args: argparse.Namespace) -> str:
     sample = args.sample or input_path.stem
     input_sha256 = checksum(input_path)
     world = resume_point(outdir, input_sha256, args.fresh)
+    keep_metrics(outdir, fresh=world is None)
     if world is None:
-        (outdir / "metrics.jsonl").unlink(missing_ok=True)
         world = WorldState(
             meta={
                 "sample": sample,
@@ -165,6 +193,9 @@ def run_sample(args: argparse.Namespace) -> str:
         server_flags=None,
         seed=args.seed,
         versions=versions(),
+        digest_version=DIGEST_VERSION,
+        host=platform.node(),
+        slurm_job_id=os.environ.get("SLURM_JOB_ID"),
         ended=None,
         status="running",
     )
@@ -183,14 +214,14 @@ def run_sample(args: argparse.Namespace) -> str:
     session = Session(outdir, seed=args.seed, input_path=input_path)
     try:
         if world.entries:
-            restored = catch_up(world, session, registry)
-            meta["resumed"].append(
-                {"at_step": world.next_step, "checkpoint_step": restored, "time": now()}
-            )
+            resumed = catch_up(world, session, registry)
+            meta["resumed"].append(resumed)
             context.add_user(RESUMED.format(step=world.next_step - 1))
             print(
                 f"[{sample}] resuming after step {world.next_step - 1} "
-                f"(checkpoint of step {restored})",
+                f"(checkpoint of step {resumed['checkpoint_step']}"
+                + "".join(f"; passed over {r}" for r in resumed.get("rejected_checkpoints", []))
+                + ")",
                 file=sys.stderr,
             )
         status = run_loop(
@@ -239,9 +270,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="completion limit per reply, reserved in the context budget",
     )
     p.add_argument("--tokenizer", help="model folder with tokenizer.json, for exact local counts")
-    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one model request may take before it is retried",
+    )
+    p.add_argument(
+        "--request-retries",
+        type=int,
+        default=5,
+        help="retries of a failed or timed-out request (exponential backoff) before the outage wait",
+    )
     p.add_argument(
         "--server-wait", type=float, default=600.0, help="seconds to wait for server health"
+    )
+    p.add_argument(
+        "--outage-wait",
+        type=float,
+        default=900.0,
+        help="seconds to wait for a server that died or stalled mid-run before failing"
+        " (the record stays resumable; with --endpoint-file a restarted server is followed)",
     )
 
 
@@ -249,7 +298,13 @@ def main(args: argparse.Namespace) -> int:
     """0 when the run ended with a complete record, even an unfinished analysis (a bad input is
     the sample's result, shown as failed in the report; rerunning would not change it); non-zero
     when something outside the analysis broke it (server gone, crash): a retry resumes it."""
-    status = run_sample(args)
+    from agent.policies.llm import ServerUnavailable
+
+    try:
+        status = run_sample(args)
+    except ServerUnavailable as e:  # the record says so too; a rerun resumes
+        print(f"{args.sample or args.input}: {e}", file=sys.stderr)
+        return 1
     if status != "finished":
         print(
             f"{args.sample or args.input}: analysis ended without finish ({status}); "

@@ -54,9 +54,13 @@ class Server:
     def policy(self, max_tokens: int = 8) -> LLMPolicy:
         """The agent's LLM policy for this server, every reply exactly ``max_tokens`` long (the
         random model stops at random; a fixed length keeps the decode work of arms equal)."""
-        policy = LLMPolicy(self.base_url, self.endpoint.model, self.api_key, max_tokens=max_tokens)
-        policy.sampling["extra_body"] = {"ignore_eos": True}
-        return policy
+        return LLMPolicy(
+            self.base_url,
+            self.endpoint.model,
+            self.api_key,
+            max_tokens=max_tokens,
+            extra_body={"ignore_eos": True},
+        )
 
     def warm_up(self, tools: list[dict]) -> None:
         """One request with the agent's tools, before anything is measured: first-use costs (the

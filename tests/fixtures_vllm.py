@@ -163,6 +163,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model") / "tiny-qwen3")
 
 
+def start_server(
+    model_dir: Path, workdir: Path, *extra: str, timeout_s: float = START_TIMEOUT_S
+) -> tuple[subprocess.Popen, Path]:
+    """Launch ``agent serve`` and wait for its endpoint file (written once the server is ready);
+    fails the test with the launcher's stderr when it does not come."""
+    start = time.monotonic()
+    launcher, endpoint_file = launch_serve(model_dir, workdir, "--timeout", str(timeout_s), *extra)
+    while not endpoint_file.exists():
+        if launcher.poll() is not None or time.monotonic() - start > timeout_s + 30:
+            stop_launcher(launcher)
+            pytest.fail(
+                f"the test vLLM server did not start (launcher status {launcher.returncode}):\n"
+                + launcher_stderr(endpoint_file),
+                pytrace=False,
+            )
+        time.sleep(0.5)
+    return launcher, endpoint_file
+
+
 _START_FAILURE: list[str] = []
 
 
@@ -174,20 +193,14 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(reason)
     if _START_FAILURE:
         pytest.fail(_START_FAILURE[0], pytrace=False)
-    workdir = tmp_path_factory.mktemp("vllm_server")
     start = time.monotonic()
-    launcher, endpoint_file = launch_serve(
-        tiny_model_dir, workdir, "--timeout", str(START_TIMEOUT_S)
-    )
-    while not endpoint_file.exists():
-        if launcher.poll() is not None or time.monotonic() - start > START_TIMEOUT_S + 30:
-            stop_launcher(launcher)
-            err = launcher_stderr(endpoint_file)
-            _START_FAILURE.append(
-                f"the test vLLM server did not start (launcher status {launcher.returncode}):\n{err}"
-            )
-            pytest.fail(_START_FAILURE[0], pytrace=False)
-        time.sleep(0.5)
+    try:
+        launcher, endpoint_file = start_server(
+            tiny_model_dir, tmp_path_factory.mktemp("vllm_server")
+        )
+    except pytest.fail.Exception as failed:
+        _START_FAILURE.append(str(failed))
+        raise
     ep = read_endpoint(endpoint_file)
     server = VLLMServer(
         base_url=ep.url,

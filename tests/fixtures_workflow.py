@@ -69,18 +69,21 @@ class WorkflowDir:
         self.config = merge(self.config, overrides)
         (self.path / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
 
-    def snakemake(
-        self, *args: str, timeout: float = 600, env: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        """Run snakemake on the repository's Snakefile here; stdout and stderr together."""
-        cmd = [
+    def command(self, *args: str) -> list[str]:
+        """The argv of `snakemake` on the repository's Snakefile, run here."""
+        return [
             *(sys.executable, "-m", "snakemake"),
             *("-s", str(REPO / "Snakefile"), "-d", str(self.path)),
             *("--configfile", str(self.path / "config.yaml")),
             *args,
         ]
+
+    def snakemake(
+        self, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run snakemake on the repository's Snakefile here; stdout and stderr together."""
         return subprocess.run(
-            cmd,
+            self.command(*args),
             cwd=self.path,
             env=workflow_env(env),
             stdout=subprocess.PIPE,

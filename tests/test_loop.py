@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -110,11 +111,14 @@ def test_world_state_is_last_and_read_by_policy(tmp_path):
 
 def test_reply_without_tool_call_is_recorded_and_nudged(tmp_path):
     policy = Scripted(
-        Decision(text="I think we are done", finish_reason="stop"), call("finish", "{}", 2)
+        Decision(text="I think we are done", finish_reason="stop"),
+        Decision(text='<tool_call>{"name": "add", "argu', finish_reason="length"),  # cut off
+        call("finish", "{}", 2),
     )
     status, world, ctx, _ = go(policy, tmp_path)
     assert status == "finished"
     assert world.entries[0].tool == NO_CALL and "finish_reason=stop" in world.entries[0].error
+    assert world.entries[1].tool == NO_CALL and "finish_reason=length" in world.entries[1].error
     assert ctx.history[-3]["role"] == "user" and "no valid tool call" in ctx.history[-3]["content"]
 
 
@@ -197,3 +201,69 @@ def test_render_stays_compact(steps):
     text = world.render()
     assert TokenCounter().raw(text) < 1000
     assert "#60 " in text and "#59 " in text  # the latest in full
+
+
+class Checking(Scripted):
+    """Checks before every decision that the record on disk is the whole record so far."""
+
+    def __init__(self, outdir: Path, *decisions: Decision):
+        super().__init__(*decisions)
+        self.outdir, self.files = outdir, []
+
+    def decide(self, messages, tools, world):
+        record, copy = (
+            self.outdir / "world_state.json",
+            self.outdir / "checkpoints/world_state.json",
+        )
+        if world.entries:
+            assert record.read_bytes() == world.to_json()
+            assert os.path.samefile(record, copy) and record.stat().st_nlink == 2
+            self.files.append(record.stat().st_ino)
+        return super().decide(messages, tools, world)
+
+
+def test_record_is_whole_after_every_step_and_saved_by_appending(tmp_path):
+    policy = Checking(
+        tmp_path, *[call("add", "{}", i) for i in range(12)], call("finish", "{}", 12)
+    )
+    status, world, _, _ = go(policy, tmp_path, max_steps=20)
+    assert status == "finished" and len(policy.files) == 12
+    assert len(set(policy.files)) == 2  # two files take turns, each extended in place
+    spare = tmp_path / ".world_state.json.spare"
+    # the spare is the record of the step before (the next save extends it); nothing else is left
+    assert WorldState.load(spare).entries == world.entries[:-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".world_state.json.spare",
+        "checkpoints",
+        "metrics.jsonl",
+        "world_state.json",
+    ]
+    assert WorldState.load(tmp_path / "checkpoints/world_state.json").entries == world.entries
+    # a spare that another name links, or one of another meta, is not written to: a new file is
+    os.link(spare, tmp_path / "mine.json")
+    kept = (tmp_path / "mine.json").read_bytes()
+    world.save_record(tmp_path, step=True)
+    assert (tmp_path / "mine.json").read_bytes() == kept
+    assert (tmp_path / "world_state.json").read_bytes() == world.to_json()
+    world.meta["note"] = "x"
+    world.save_record(tmp_path, step=True)
+    assert (tmp_path / "world_state.json").read_bytes() == world.to_json()
+    # any other save (the runner's last) writes the record anew and drops the spare
+    world.save_record(tmp_path)
+    assert not spare.exists() and WorldState.load(tmp_path / "world_state.json") == world
+
+
+def test_a_new_process_writes_no_file_it_did_not_write(tmp_path):
+    go(Scripted(*[call("add", "{}", i) for i in range(3)]), tmp_path, max_steps=3)
+    files = [tmp_path / ".world_state.json.spare", tmp_path / "world_state.json"]
+    before = [f.read_bytes() for f in files]
+    resumed = WorldState.load(tmp_path / "checkpoints/world_state.json")
+    reg = ToolRegistry([add, finish])
+    ctx = ContextManager("instructions", reg.schemas(), context_limit=100_000)
+    policy = Scripted(*[call("add", "{}", i) for i in range(3, 6)], call("finish", "{}", 6))
+    with open(files[0], "rb") as spare, open(files[1], "rb") as record:  # the files, not names
+        status = run_loop(policy, reg, Counter(), resumed, ctx, tmp_path, log=io.StringIO())
+        assert [spare.read(), record.read()] == before
+    assert status == "finished"
+    assert (tmp_path / "world_state.json").read_bytes() == resumed.to_json()
+    assert len(resumed.entries) == 7

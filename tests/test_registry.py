@@ -91,3 +91,31 @@ def test_untyped_tool_is_refused_at_registration():
 
     with pytest.raises(TypeError, match="parameter 'x' needs a type hint"):
         ToolRegistry([bad])
+
+
+def test_no_tool_runs_model_written_code():
+    """A call's arguments are data checked against typed parameters, never code: no tool module
+    evaluates text, starts processes or unpickles (h5ad reading does not unpickle)."""
+    import ast
+    from pathlib import Path
+
+    import agent.tools
+
+    forbidden_calls = {"eval", "exec", "compile", "__import__", "import_module", "system", "popen"}
+    forbidden_modules = {"subprocess", "pickle", "marshal", "shelve", "runpy", "dill", "joblib"}
+    found = []
+    for path in Path(agent.tools.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
+                if name in forbidden_calls:
+                    found.append(f"{path.name}:{node.lineno} {name}()")
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                found += [
+                    f"{path.name}:{node.lineno} import {n}"
+                    for n in names
+                    if n.split(".")[0] in forbidden_modules
+                ]
+    assert not found, found

@@ -52,6 +52,7 @@ def test_edited_resolution_diverges_at_its_step(demo_run, tmp_path, capsys):
 
     def edit(doc):
         doc["entries"][leiden.step - 1]["params"]["resolution"] = new_resolution
+        doc["meta"]["digest_version"] = 0  # as if recorded before the digest last changed
 
     edited = edited_copy(demo_run.world_state, tmp_path / "edited", edit)
     out, work = tmp_path / "replay.json", tmp_path / "work"
@@ -61,6 +62,7 @@ def test_edited_resolution_diverges_at_its_step(demo_run, tmp_path, capsys):
     assert doc["verdict"] == f"diverged at step {leiden.step}"
     assert doc["diverged_step"] == leiden.step
     assert f"step {leiden.step} (leiden)" in doc["summary"]
+    assert "digest version 0" in doc["summary"] and doc["digest_versions"]["recorded"] == 0
     step = doc["steps"][leiden.step - 1]
     fields = {d["field"]: d for d in step["differences"]}
     assert fields["result.resolution"]["replayed"] == new_resolution

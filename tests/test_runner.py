@@ -15,6 +15,7 @@ import pytest
 
 from agent.context import TokenCounter
 from agent.tools import build_registry
+from agent.tools.session import DIGEST_VERSION
 from agent.world_state import WorldState
 
 SCHEMA = json.loads(
@@ -28,6 +29,7 @@ def test_world_state_validates_and_chains(demo_run):
     meta = doc["meta"]
     assert meta["status"] == "finished" and meta["policy"] == "reference"
     assert {"scanpy", "anndata", "numpy", "python"} <= meta["versions"].keys()
+    assert meta["digest_version"] == DIGEST_VERSION and meta["host"]
     entries = doc["entries"]
     assert entries[-1]["tool"] == "finish"
     for a, b in itertools.pairwise(entries):  # the data digests form one chain

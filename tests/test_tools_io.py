@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import gzip
+import io
+
 import anndata as ad
 import numpy as np
 import pandas as pd
 import pytest
 import scanpy as sc
+import scipy.io as spio
 from scipy import sparse
 
 from agent.tools.session import Session
@@ -96,6 +100,77 @@ def test_ensembl_ids_switch_to_the_symbol_column(tmp_path):
     assert list(session.adata.var_names) == names and out.result["n_mt_genes"] == 1
     out = call(session, "load_data", gene_symbols="no_such_column")
     assert not out.ok and "no_such_column" in out.error
+
+
+def _counts(n_cells=50, genes=("MT-CO1", "CD3D", "LYZ", "RPL3"), **var_columns):
+    rng = np.random.default_rng(0)
+    return ad.AnnData(
+        rng.poisson(3, (n_cells, len(genes))).astype(np.float32),
+        var=pd.DataFrame(var_columns, index=list(genes)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "fault", "reason"),
+    [
+        ("cut.h5ad", "truncated", "the file is truncated ("),
+        ("noise.h5ad", "random", "not an HDF5 file"),
+        ("noise.h5", "random", "not an HDF5 file"),
+        ("empty.h5ad", "empty", "the file is empty (0 bytes)"),
+    ],
+)
+def test_unreadable_files_name_the_path_and_the_reason(tmp_path, name, fault, reason):
+    path = tmp_path / name
+    if fault == "truncated":
+        whole = _write(tmp_path, _counts(2000), "whole.h5ad").read_bytes()
+        path.write_bytes(whole[: len(whole) // 2])
+    else:
+        path.write_bytes(np.random.default_rng(0).bytes(4096) if fault == "random" else b"")
+    out = call(Session(tmp_path / "o", input_path=path), "load_data")
+    assert not out.ok and f"could not read {path}: " in out.error and reason in out.error, out.error
+
+
+def test_duplicate_cell_barcodes_are_refused(tmp_path):
+    adata = _counts()
+    adata.obs_names = [f"C{i % 40}-1" for i in range(50)]  # two samples pasted together
+    path = _write(tmp_path, adata)
+    out = call(Session(tmp_path / "o", input_path=path), "load_data")
+    assert not out.ok and f"{path}: 10 duplicate cell barcodes (e.g. 'C0-1')" in out.error
+
+
+def test_duplicate_gene_names_are_made_unique_and_counted(tmp_path):
+    session = Session(tmp_path / "o", input_path=_write(tmp_path, _counts(genes=("A", "B", "A"))))
+    out = call(session, "load_data")
+    assert out.ok and out.result["duplicate_gene_names_made_unique"] == 1
+    assert list(session.adata.var_names) == ["A", "B", "A-1"]
+
+
+def test_ensembl_ids_without_symbols_need_an_explicit_choice(tmp_path):
+    ids = [f"ENSG0000000000{i}" for i in range(4)]
+    path = _write(tmp_path, _counts(genes=ids, biotype=["protein_coding"] * 4))
+    session = Session(tmp_path / "o", input_path=path)
+    out = call(session, "load_data")
+    assert not out.ok and str(path) in out.error and "var columns: ['biotype']" in out.error
+    assert "gene_symbols=COLUMN" in out.error and "gene_symbols='var_names'" in out.error
+    out = call(session, "load_data", gene_symbols="var_names")
+    assert out.ok and list(session.adata.var_names) == ids
+    assert any("will not match" in w for w in out.result["warnings"])
+
+
+def test_mtx_features_without_symbols_are_explained(tmp_path):
+    folder = tmp_path / "mtx"
+    folder.mkdir()
+    buffer = io.BytesIO()
+    spio.mmwrite(buffer, sparse.coo_matrix(np.ones((3, 2))), field="integer")
+    files = {
+        "matrix.mtx.gz": buffer.getvalue(),
+        "barcodes.tsv.gz": b"C0-1\nC1-1\n",
+        "features.tsv.gz": b"ENSG01\nENSG02\nENSG03\n",  # IDs only, no symbol column
+    }
+    for name, data in files.items():
+        (folder / name).write_bytes(gzip.compress(data))
+    out = call(Session(tmp_path / "o", input_path=folder), "load_data")
+    assert not out.ok and f"could not read {folder}: features.tsv.gz has one column" in out.error
 
 
 def test_missing_unknown_and_outside_paths(tmp_path, small_input):

@@ -66,12 +66,20 @@ def test_restore_loads_the_newest_checkpoint_at_or_before_a_step(session_at, sma
     session.adata = session.adata[:100].copy()
     session.after_step(12, "pca")
     resumed = Session(session.outdir, input_path=small_input)
-    assert resumed.restore(8) is None
-    assert resumed.restore(11) == 9
+    assert resumed.restore(8) == (None, [])
+    assert resumed.restore(11) == (9, [])
     assert resumed.digest() == first and resumed.done == call_done
-    assert resumed.restore(99) == 12 and resumed.adata.n_obs == 100
+    assert resumed.restore(99) == (12, []) and resumed.adata.n_obs == 100
+    step, rejected = Session(session.outdir).restore(99, {9: first, 12: "another digest"})
+    assert step == 9 and rejected == ["step_0012.h5ad: data differ from the record of step 12"]
     (session.outdir / "checkpoints" / "step_0012.json").unlink()  # incomplete: never used
-    assert Session(session.outdir).restore(99) == 9
+    assert Session(session.outdir).restore(99) == (9, [])
+    data = session.outdir / "checkpoints" / "step_0009.h5ad"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # a torn file
+    fresh = Session(session.outdir)
+    step, rejected = fresh.restore(99)
+    assert step is None and not fresh.has_data
+    assert len(rejected) == 1 and rejected[0].startswith("step_0009.h5ad: unreadable")
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,7 @@ def test_vllm_mode_shards_llm_samples_into_server_groups(workflow_dir: WorkflowD
         re.search(r"--sample (\S+)", c).group(1): c for c in shell_commands(out.stdout, "analyze")
     }
     assert "--endpoint-file results/servers/shard001.json" in analyze["s3"]
+    assert "--outage-wait 900" in analyze["s3"]  # server.outage_wait reaches the agent
     assert "until test -s results/servers/shard001.json" in analyze["s3"]  # waits for health
     assert "--policy reference" in analyze["ref"] and "results/servers" not in analyze["ref"]
 

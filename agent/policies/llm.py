@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 import openai
 
 from agent.policies.base import Decision, PromptTooLong, ToolCall, Usage
+from agent.serve.endpoint import EndpointError, read_endpoint
 from agent.world_state import WorldState
 
 _TOO_LONG = re.compile(r"maximum context length|context length|too long", re.I)
@@ -21,7 +24,11 @@ class ServerUnavailable(Exception):
 
 class LLMPolicy:
     """Chat completions with tools. The `openai` client retries connection errors, 408/429 and
-    5xx with exponential backoff (`max_retries`) and gives up on a slow answer after `timeout`."""
+    5xx with exponential backoff (`max_retries`) and gives up on a slow answer after `timeout`.
+
+    With `endpoint_file`, a server that went away is looked for again through that file: a
+    restarted `agent serve` writes it anew, with its new port and API key.
+    """
 
     def __init__(
         self,
@@ -35,14 +42,25 @@ class LLMPolicy:
         seed: int = 0,
         tool_choice: str | dict[str, Any] = "auto",
         outage_wait: float = 600.0,
+        endpoint_file: str | Path | None = None,
+        extra_body: dict[str, Any] | None = None,
+        log: TextIO = sys.stderr,
     ):
         self.client = openai.OpenAI(
             base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries
         )
         self.model = model
-        self.sampling = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed}
+        self.sampling: dict[str, Any] = {
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+            "seed": seed,
+        }
+        if extra_body:  # vLLM's own sampling fields, e.g. {"top_k": 20}
+            self.sampling["extra_body"] = extra_body
         self.tool_choice = tool_choice
         self.outage_wait = outage_wait
+        self.endpoint_file = Path(endpoint_file) if endpoint_file else None
+        self.log = log
 
     def context_limit(self) -> int | None:
         """The server's max_model_len (vLLM lists it with the model), if it says."""
@@ -53,18 +71,50 @@ class LLMPolicy:
                 )
         return None
 
-    def _wait_for_server(self, error: Exception) -> None:
+    def _follow_endpoint(self) -> None:
+        """Point the client at the server the endpoint file names now (a restart moves it)."""
+        if self.endpoint_file is None:
+            return
+        try:
+            ep = read_endpoint(self.endpoint_file)
+        except EndpointError:  # not there (yet): a restarting server writes it once ready
+            return
+        if ep.model == self.model and (ep.url, ep.api_key) != (
+            str(self.client.base_url).rstrip("/"),
+            self.client.api_key,
+        ):
+            self.client = self.client.with_options(base_url=ep.url, api_key=ep.api_key or "EMPTY")
+
+    def _wait_for_server(self, error: Exception, world: WorldState) -> None:
         """After the client's own retries failed: poll the server with bounded backoff until it
-        answers again, or give up with a clear error once `outage_wait` seconds have passed."""
-        deadline, delay = time.monotonic() + self.outage_wait, 1.0
+        answers again, or give up with a clear error once `outage_wait` seconds have passed.
+        The wait is recorded in the run's metadata (``outages``)."""
+        start = time.monotonic()
+        deadline, delay = start + self.outage_wait, 1.0
+        print(
+            f"server {self.client.base_url} unavailable at step {world.next_step} "
+            f"({type(error).__name__}); waiting up to {self.outage_wait:.0f} s for it",
+            file=self.log,
+            flush=True,
+        )
+        outage = {"step": world.next_step, "error": f"{type(error).__name__}: {error}"[:300]}
+        world.meta.setdefault("outages", []).append(outage)
         while time.monotonic() < deadline:
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 30.0)
+            delay = min(delay * 2, 15.0)
+            self._follow_endpoint()
             try:
                 self.client.with_options(max_retries=0, timeout=10).models.list()
-                return
             except openai.APIError:
                 continue
+            outage["waited_s"] = round(time.monotonic() - start, 1)
+            print(
+                f"server {self.client.base_url} back after {outage['waited_s']:.0f} s",
+                file=self.log,
+                flush=True,
+            )
+            return
+        outage["waited_s"] = round(time.monotonic() - start, 1)
         raise ServerUnavailable(
             f"server {self.client.base_url} did not come back within {self.outage_wait:.0f} s "
             f"(last error: {type(error).__name__}: {error}); the run can resume from its world state"
@@ -91,7 +141,7 @@ class LLMPolicy:
         try:
             resp = self._complete(messages, tools)
         except (openai.APIConnectionError, openai.InternalServerError) as e:
-            self._wait_for_server(e)  # a dead or stalled server: wait for it, then one more try
+            self._wait_for_server(e, world)  # a dead or stalled server: wait, then one more try
             resp = self._complete(messages, tools)
         choice = resp.choices[0]
         calls = [

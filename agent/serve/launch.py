@@ -391,6 +391,7 @@ def serve(args: argparse.Namespace, plan: FlagPlan) -> int:
             flush=True,
         )
         code = server.proc.wait()
+        endpoint_file.unlink(missing_ok=True)  # agents must not trust a dead server's address
         raise LaunchError(
             f"vLLM exited with status {code}; last lines of {log_path}:\n{log_tail(log_path)}"
         )

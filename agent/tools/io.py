@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import re
 from pathlib import Path
 from typing import Annotated, Any
@@ -35,11 +36,14 @@ def _read(path: Path) -> tuple[ad.AnnData, str]:
                 f"{path} is a folder without matrix.mtx(.gz): a 10x mtx folder needs matrix.mtx.gz, "
                 "barcodes.tsv.gz and features.tsv.gz"
             )
+        _check_features(path)
         return sc.read_10x_mtx(
             path, var_names="gene_symbols", make_unique=True, cache=False
         ), "10x_mtx"
     if not path.is_file():
         raise ToolError(f"input {path} does not exist")
+    if path.stat().st_size == 0:
+        raise ToolError(f"could not read {path}: the file is empty (0 bytes)")
     if path.suffix == ".h5":
         return sc.read_10x_h5(path), "10x_h5"
     if path.suffix == ".h5ad":
@@ -47,6 +51,36 @@ def _read(path: Path) -> tuple[ad.AnnData, str]:
     raise ToolError(
         f"{path}: unknown input format (expected a 10x mtx folder, a 10x .h5 or an .h5ad file)"
     )
+
+
+def _check_features(folder: Path) -> None:
+    """scanpy fails with a bare KeyError when the 10x features file lacks the symbol column."""
+    for name in ("features.tsv.gz", "features.tsv", "genes.tsv"):
+        file = folder / name
+        if file.is_file():
+            with gzip.open(file, "rt") if name.endswith(".gz") else file.open() as f:
+                first = f.readline().rstrip("\n").split("\t")
+            if len(first) < 2:
+                raise ToolError(
+                    f"could not read {folder}: {name} has one column ({first[0]!r}), but a 10x "
+                    "features file needs the gene ID and the gene symbol on each line, tab-separated"
+                )
+            return
+
+
+def _unreadable(path: Path, e: Exception) -> ToolError:
+    """The reason a file could not be read, in words: h5py's own messages are cryptic."""
+    text = str(e)
+    if eof := re.search(r"truncated file: eof = (\d+).*stored_eof = (\d+)", text):
+        why = (
+            f"the file is truncated ({eof[1]} of {eof[2]} bytes): "
+            "was a copy or download interrupted?"
+        )
+    elif "file signature not found" in text:
+        why = "it is not an HDF5 file: corrupt, or another format under an .h5/.h5ad name"
+    else:
+        why = f"{type(e).__name__}: {text}"
+    return ToolError(f"could not read {path}: {why}")
 
 
 def _integer_layers(adata: ad.AnnData) -> list[str]:
@@ -82,7 +116,7 @@ def load_data(
         path: File or 10x folder to read; leave out to read the run's input.
         layer: Read the counts from this layer of an .h5ad instead of X ('raw' for adata.raw).
         gene_symbols: Column of the gene annotations (var) that holds gene symbols, when the
-            gene names are IDs such as Ensembl.
+            gene names are IDs such as Ensembl; 'var_names' keeps the IDs knowingly.
     """
     source = session.readable_path(path)
     try:
@@ -90,7 +124,7 @@ def load_data(
     except ToolError:
         raise
     except Exception as e:  # a corrupt or foreign file: say which and why
-        raise ToolError(f"could not read {source}: {type(e).__name__}: {e}") from None
+        raise _unreadable(source, e) from None
     original_dtype = str(adata.X.dtype) if adata.X is not None else "none"
     if layer == "raw":
         if adata.raw is None:
@@ -105,6 +139,13 @@ def load_data(
     if adata.n_obs == 0 or adata.n_vars == 0:
         raise ToolError(
             f"{source}: the matrix is empty ({adata.n_obs} cells x {adata.n_vars} genes)"
+        )
+    duplicated = adata.obs_names[adata.obs_names.duplicated()]
+    if len(duplicated):  # every per-cell result would be ambiguous: refuse rather than guess
+        raise ToolError(
+            f"{source}: {len(duplicated)} duplicate cell barcodes (e.g. {duplicated[0]!r}): each "
+            "cell must appear once; was the file concatenated from several samples without "
+            "unique barcodes?"
         )
     matrix = adata.X
     if (matrix.nnz if sparse.issparse(matrix) else np.count_nonzero(matrix)) == 0:
@@ -125,23 +166,32 @@ def load_data(
 
     warnings = []
     symbols_from = "var_names"
-    if gene_symbols is not None:
+    ids = np.mean([bool(re.match(r"ENS[A-Z]*G\d", g)) for g in adata.var_names[:1000]]) > 0.5
+    if gene_symbols == "var_names":  # the IDs kept on purpose
+        if ids:
+            warnings.append(
+                "gene names kept as Ensembl IDs (gene_symbols='var_names'): "
+                "mitochondrial genes and marker sets will not match"
+            )
+    elif gene_symbols is not None:
         if gene_symbols not in adata.var.columns:
             raise ToolError(
                 f"{source}: no gene annotation column {gene_symbols!r} (var columns: {list(adata.var.columns)})"
             )
         adata.var_names = adata.var[gene_symbols].astype(str).to_numpy()
         symbols_from = gene_symbols
-    elif np.mean([bool(re.match(r"ENS[A-Z]*G\d", g)) for g in adata.var_names[:1000]]) > 0.5:
+    elif ids:
         column = next((c for c in SYMBOL_COLUMNS if c in adata.var.columns), None)
-        if column:
-            adata.var_names = adata.var[column].astype(str).to_numpy()
-            symbols_from = column
-        else:
-            warnings.append(
-                "gene names look like Ensembl IDs and no symbol column was found: "
-                "mitochondrial genes and marker sets will not match"
+        if column is None:  # QC and annotation need symbols: make the choice explicit
+            raise ToolError(
+                f"{source}: the gene names are Ensembl IDs (e.g. {adata.var_names[0]!r}) and no "
+                f"gene symbol column was found (var columns: {list(adata.var.columns) or 'none'}); "
+                "call load_data with gene_symbols=COLUMN naming the column of symbols, or "
+                "gene_symbols='var_names' to keep the IDs (mitochondrial genes and marker sets "
+                "will then not match)"
             )
+        adata.var_names = adata.var[column].astype(str).to_numpy()
+        symbols_from = column
     n_duplicated = int(adata.var_names.duplicated().sum())
     if n_duplicated:
         adata.var_names_make_unique()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,11 @@ EXPENSIVE_TOOLS = frozenset(
 )  # fmt: skip
 # Steps that leave the AnnData as it was: never a reason to write a checkpoint.
 READ_ONLY_TOOLS = frozenset({"plot", "save", "finish"})
+
+
+# What digest_adata hashes, and how. Bump it when that changes: records carry the version, so a
+# replay can tell a changed digest from changed data.
+DIGEST_VERSION = 1
 
 
 def digest_adata(adata: Any) -> str:
@@ -210,14 +216,26 @@ class Session:
                 found.append((path, int(path.stem[5:])))
         return sorted(found, key=lambda item: item[1])
 
-    def restore(self, step: int) -> int | None:
-        """Load the newest checkpoint at or before ``step`` (data and done set); its step or None."""
-        usable = [(p, s) for p, s in self._checkpoints() if s <= step]
-        if not usable:
-            return None
-        path, found = usable[-1]
-        meta = json.loads(path.with_suffix(".json").read_text())
-        self._adata = ad.read_h5ad(path)
-        self.done = set(meta["done"])
-        self._checkpoint_step = found
-        return found
+    def restore(
+        self, step: int, digests: Mapping[int, str | None] | None = None
+    ) -> tuple[int | None, list[str]]:
+        """Load the newest usable checkpoint at or before ``step`` (data and done set).
+
+        A checkpoint is usable when it reads and, given ``digests`` (step -> recorded data digest
+        after it), holds exactly the recorded data: a damaged or foreign file is passed over for
+        an older one. Returns its step (None: none usable, nothing loaded) and why others were not.
+        """
+        rejected = []
+        for path, found in reversed([(p, s) for p, s in self._checkpoints() if s <= step]):
+            try:
+                meta = json.loads(path.with_suffix(".json").read_text())
+                adata = ad.read_h5ad(path)
+            except Exception as e:  # truncated, corrupt or unreadable: an older one may serve
+                rejected.append(f"{path.name}: unreadable ({type(e).__name__}: {e})"[:300])
+                continue
+            if digests is not None and digest_adata(adata) != digests.get(found):
+                rejected.append(f"{path.name}: data differ from the record of step {found}")
+                continue
+            self._adata, self.done, self._checkpoint_step = adata, set(meta["done"]), found
+            return found, rejected
+        return None, rejected

@@ -253,6 +253,8 @@ def analyze_args(wildcards):
     args += ["--seed", str(s["seed"]), "--max-steps", str(s["max_steps"])]
     if s["brief"]:
         args += ["--brief", s["brief"]]
+    if s["policy"] == "llm":
+        args += ["--outage-wait", str(SERVER["outage_wait"])]
     if s["policy"] == "llm" and SERVER["mode"] == "vllm":
         args += ["--endpoint-file", ENDPOINT.format(shard=SHARD_OF[wildcards.sample])]
     elif s["policy"] == "llm" and SERVER["mode"] == "external":
