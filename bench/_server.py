@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shlex
 import signal
 import subprocess
@@ -22,19 +21,14 @@ from pathlib import Path
 
 import openai
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny model, server helpers
+
 from agent.policies.llm import LLMPolicy
 from agent.serve.endpoint import Endpoint, http_json, read_endpoint, root_url
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # tests/tiny_model.py builds the default model
-    sys.path.insert(0, str(REPO))
+from tests.local_server import ServerFailed, launch, prometheus, stop_launcher, wait_for_endpoint
 
 SERVED_NAME = "bench-model"
 STOP_TIMEOUT_S = 90.0
-
-
-class ServerFailed(RuntimeError):
-    """The server did not become ready; the message carries the launcher's stderr."""
 
 
 @dataclass
@@ -78,16 +72,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Sums of the server's Prometheus series by name (label sets added up)."""
-        status, text = http_json("GET", root_url(self.base_url) + "/metrics", self.api_key)
-        if status != 200:
-            raise ServerFailed(f"/metrics answered {status}")
-        sums: dict[str, float] = {}
-        for line in str(text).splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                key = name.split("{")[0]
-                sums[key] = sums.get(key, 0.0) + float(value)
-        return sums
+        return prometheus(self.base_url, self.api_key)
 
     def reset_prefix_cache(self) -> None:
         status, body = http_json(
@@ -146,47 +131,22 @@ def serve(
     timeout_s: float = 900.0,
 ) -> Iterator[Server]:
     """Start ``python -m agent serve`` (cpu unless ``serve_args`` say otherwise); stop it on exit."""
-    workdir.mkdir(parents=True, exist_ok=True)
     model = Path(model) if model else tiny_model(workdir)
-    endpoint_file = workdir / "server.json"
-    endpoint_file.unlink(missing_ok=True)  # an earlier server's file must not be taken for this one
-    argv = [
-        *(sys.executable, "-m", "agent", "serve", "--model", str(model)),
-        *("--served-model-name", SERVED_NAME, "--endpoint-file", str(endpoint_file)),
+    args = [
+        *("--model", str(model), "--served-model-name", SERVED_NAME),
         *("--agents", str(agents), "--timeout", str(timeout_s)),
         *(("--max-model-len", str(max_model_len)) if max_model_len else ()),
+        *(() if "--gpu" in serve_args else ("--gpu", "cpu")),
         *serve_args,
     ]
-    if "--gpu" not in serve_args:
-        argv += ["--gpu", "cpu"]
-    # the KV cache space on CPU stays the launcher's choice (or the caller's VLLM_CPU_KVCACHE_SPACE)
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    err_path = workdir / "launcher.err"
     # SIGTERM (a batch system's stop) must also run the `finally` below, which stops the server
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     start = time.monotonic()
-    with open(err_path, "w") as err:  # a file, not a pipe: it never fills up
-        launcher = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    # the KV cache space on CPU stays the launcher's choice (or the caller's VLLM_CPU_KVCACHE_SPACE)
+    launcher, endpoint_file = launch(workdir, *args, env={"VLLM_SERVER_DEV_MODE": "1"})
     try:
-        while not endpoint_file.exists():
-            if launcher.poll() is not None or time.monotonic() - start > timeout_s + 30:
-                raise ServerFailed(
-                    f"`{' '.join(argv[1:])}` did not become ready (status {launcher.poll()}):\n"
-                    + err_path.read_text()[-4000:]
-                )
-            time.sleep(0.5)
+        wait_for_endpoint(launcher, endpoint_file, timeout_s + 30)
         yield Server(read_endpoint(endpoint_file), launcher, time.monotonic() - start)
     finally:
-        stop(launcher)
+        stop_launcher(launcher, STOP_TIMEOUT_S)
         signal.signal(signal.SIGTERM, previous)
-
-
-def stop(launcher: subprocess.Popen) -> None:
-    """SIGTERM the launcher (it stops vLLM's whole process group); SIGKILL only if it hangs."""
-    if launcher.poll() is None:
-        launcher.send_signal(signal.SIGTERM)
-        try:
-            launcher.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            launcher.wait()

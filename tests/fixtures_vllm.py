@@ -12,22 +12,27 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from agent.serve.endpoint import Endpoint, http_json, read_endpoint, root_url
+from agent.serve.endpoint import Endpoint, read_endpoint
+from tests.local_server import (
+    ServerFailed,
+    launch,
+    launcher_stderr,
+    prometheus,
+    stop_launcher,
+    wait_for_endpoint,
+)
 from tests.tiny_model import build_tiny_model
 
 SERVED_NAME = "tiny-qwen3"
 MAX_MODEL_LEN = 16384  # room for the real tool schemas (~6K tokens) and a history to cut
 START_TIMEOUT_S = 900  # cold start on a loaded 2-core machine; it is ~40-90 s when idle
-REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -47,20 +52,9 @@ class VLLMServer:
 
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
-    def metrics(self) -> dict[str, float]:
-        """Prometheus counters of /metrics (``name{labels}`` -> value), for cache-hit checks."""
-        status, text = http_json("GET", root_url(self.base_url) + "/metrics", self.api_key)
-        assert status == 200, f"/metrics answered {status}"
-        values = {}
-        for line in str(text).splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
-
     def metric(self, name: str) -> float:
-        """Sum of a counter over its label sets, e.g. ``vllm:prefix_cache_hits_total``."""
-        return sum(v for k, v in self.metrics().items() if k.split("{")[0] == name)
+        """A counter summed over its label sets, e.g. ``vllm:prefix_cache_hits_total``."""
+        return prometheus(self.base_url, self.api_key).get(name, 0.0)
 
 
 def vllm_skip_reason() -> str | None:
@@ -73,58 +67,18 @@ def launch_serve(
     model_dir: Path, workdir: Path, *extra: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen, Path]:
     """Start ``python -m agent serve`` for the tiny model on cpu; returns (launcher, endpoint file)."""
-    endpoint = workdir / "server.json"
-    argv = [
-        sys.executable,
-        "-m",
-        "agent",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        SERVED_NAME,
-        "--endpoint-file",
-        str(endpoint),
-        "--gpu",
-        "cpu",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--agents",
-        "4",
-        "--enforce-eager",
-        *extra,
-    ]
-    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    with open(workdir / "launcher.err", "w") as err:  # a file, not a pipe: it never fills up
-        launcher = subprocess.Popen(
-            argv, cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=err
-        )
-    return launcher, endpoint
-
-
-def launcher_stderr(endpoint_file: Path) -> str:
-    return (endpoint_file.parent / "launcher.err").read_text()
+    return launch(
+        workdir,
+        *("--model", str(model_dir), "--served-model-name", SERVED_NAME, "--gpu", "cpu"),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--agents", "4", "--enforce-eager", *extra),
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
+    )
 
 
 def server_pid(endpoint_file: Path) -> int | None:
     """vLLM's pid as the launcher announced it ("started vLLM (pid N)"), once it has."""
     found = re.search(r"started vLLM \(pid (\d+)\)", launcher_stderr(endpoint_file))
     return int(found.group(1)) if found else None
-
-
-def stop_launcher(launcher: subprocess.Popen, timeout_s: float = 90) -> int:
-    """SIGTERM the launcher (which stops vLLM) and wait; SIGKILL only if it hangs."""
-    if launcher.poll() is None:
-        launcher.send_signal(signal.SIGTERM)
-        try:
-            launcher.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            launcher.wait()
-            raise AssertionError(
-                f"launcher {launcher.pid} ignored SIGTERM for {timeout_s} s"
-            ) from None
-    return launcher.returncode
 
 
 def pid_alive(pid: int) -> bool:
@@ -168,17 +122,11 @@ def start_server(
 ) -> tuple[subprocess.Popen, Path]:
     """Launch ``agent serve`` and wait for its endpoint file (written once the server is ready);
     fails the test with the launcher's stderr when it does not come."""
-    start = time.monotonic()
     launcher, endpoint_file = launch_serve(model_dir, workdir, "--timeout", str(timeout_s), *extra)
-    while not endpoint_file.exists():
-        if launcher.poll() is not None or time.monotonic() - start > timeout_s + 30:
-            stop_launcher(launcher)
-            pytest.fail(
-                f"the test vLLM server did not start (launcher status {launcher.returncode}):\n"
-                + launcher_stderr(endpoint_file),
-                pytrace=False,
-            )
-        time.sleep(0.5)
+    try:
+        wait_for_endpoint(launcher, endpoint_file, timeout_s + 30)
+    except ServerFailed as e:
+        pytest.fail(str(e), pytrace=False)
     return launcher, endpoint_file
 
 

@@ -23,15 +23,9 @@ from pathlib import Path
 import pytest
 
 from agent.world_state import WorldState
-from tests.fixtures_vllm import (
-    REPO,
-    group_alive,
-    launcher_stderr,
-    start_server,
-    stop_launcher,
-    vllm_skip_reason,
-)
+from tests.fixtures_vllm import group_alive, start_server, vllm_skip_reason
 from tests.fixtures_workflow import workflow_env
+from tests.local_server import REPO, launcher_stderr, stop_launcher
 
 SAMPLE = "small"
 # BLAS threads change the last bits of PCA: every run here uses the one thread that the workflow's

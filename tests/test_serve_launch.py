@@ -15,11 +15,10 @@ from tests.fixtures_vllm import (
     MAX_MODEL_LEN,
     group_alive,
     launch_serve,
-    launcher_stderr,
     server_pid,
-    stop_launcher,
     vllm_skip_reason,
 )
+from tests.local_server import launcher_stderr, stop_launcher
 
 pytestmark = [
     pytest.mark.vllm,
