@@ -15,6 +15,9 @@ from agent.registry import Outcome, ToolRegistry
 from agent.world_state import Entry, WorldState
 
 NO_CALL = "(no tool call)"
+# Rows go to the first; the runner makes the second the same file (a hard link), which survives
+# Snakemake's deletion of a failed job's outputs.
+METRICS_NAMES = ("metrics.jsonl", "checkpoints/metrics.jsonl")
 NUDGE = "Your last reply had no valid tool call. Call one of the tools; call finish when the analysis is done."
 
 
@@ -118,7 +121,7 @@ def _report(
         "time": time.time(),
         **context.last,
     }
-    with open(outdir / "metrics.jsonl", "ab") as f:
+    with open(outdir / METRICS_NAMES[0], "ab") as f:
         f.write(orjson.dumps(row) + b"\n")
     tokens = (
         f" | prompt {u.prompt_tokens} completion {u.completion_tokens} cached {u.cached_tokens}"

@@ -13,13 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from agent.context import ContextManager, TokenCounter, tokenizer_estimate
-from agent.loop import run_loop
+from agent.loop import METRICS_NAMES, run_loop
 from agent.policies.base import Policy
 from agent.prompts import BRIEF, RESUMED, SYSTEM_PROMPT
 from agent.world_state import RECORD_NAMES, WorldState
 
-# The loop appends to the first; the second, the same file, survives Snakemake's clean-up.
-METRICS_NAMES = ("metrics.jsonl", "checkpoints/metrics.jsonl")
 PACKAGES = (
     "scagent",
     "scanpy",

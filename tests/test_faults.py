@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from agent.world_state import WorldState
 from tests.fixtures_vllm import group_alive, start_server, vllm_skip_reason
 from tests.fixtures_workflow import workflow_env
 from tests.local_server import REPO, launcher_stderr, stop_launcher
+from tests.test_runner import facts, run_cmd, steps_done
 
 SAMPLE = "small"
 # BLAS threads change the last bits of PCA: every run here uses the one thread that the workflow's
@@ -33,14 +33,6 @@ SAMPLE = "small"
 ONE_THREAD = {f"{lib}_NUM_THREADS": "1" for lib in ("OMP", "OPENBLAS", "MKL")}
 ENV = {**os.environ, **ONE_THREAD}
 REQUEST = ["--request-timeout", "5", "--request-retries", "1", "--max-tokens", "8"]
-
-
-def facts(world: WorldState) -> list[tuple]:
-    return [(e.step, e.tool, e.params, e.status, e.result, e.digest_after) for e in world.entries]
-
-
-def agent_run(*args: str, module: str = "agent") -> list[str]:
-    return [sys.executable, "-m", module, *(["run"] if module == "agent" else []), *args]
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -56,13 +48,6 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
 
 
-def steps_done(outdir: Path) -> int:
-    try:  # the copy beside the checkpoints: written atomically, so always whole
-        return len(json.loads((outdir / "checkpoints/world_state.json").read_bytes())["entries"])
-    except (OSError, ValueError):
-        return 0
-
-
 def wait_for_steps(outdir: Path, n: int, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 300
     while steps_done(outdir) < n:
@@ -75,8 +60,7 @@ def wait_for_steps(outdir: Path, n: int, proc: subprocess.Popen, log: Path) -> N
 def baseline(small_input: Path, tmp_path_factory: pytest.TempPathFactory) -> WorldState:
     """The uninterrupted run every faulty one must reproduce."""
     outdir = tmp_path_factory.mktemp("baseline")
-    cmd = agent_run("--input", str(small_input), "--outdir", str(outdir), "--sample", SAMPLE)
-    done = run(cmd)
+    done = run(run_cmd(small_input, outdir, sample=SAMPLE))
     assert done.returncode == 0, done.stderr
     world = WorldState.load(outdir / "world_state.json")
     assert world.meta["status"] == "finished"
@@ -131,9 +115,16 @@ def faulty_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def llm_run(input_path: Path, outdir: Path, server: FaultyServer, outage_wait: int) -> list[str]:
-    args = ["--input", str(input_path), "--outdir", str(outdir), "--sample", SAMPLE]
-    args += ["--policy", "llm", "--endpoint-file", str(server.endpoint_file), *REQUEST]
-    return agent_run(*args, "--outage-wait", str(outage_wait), module="tests.fault_agent")
+    llm = ["--policy", "llm", "--endpoint-file", str(server.endpoint_file), *REQUEST]
+    return run_cmd(
+        input_path,
+        outdir,
+        *llm,
+        "--outage-wait",
+        str(outage_wait),
+        sample=SAMPLE,
+        module="tests.fault_agent",
+    )
 
 
 @pytest.mark.vllm
@@ -208,7 +199,7 @@ def test_damaged_checkpoint_is_passed_over_on_resume(baseline, small_input, tmp_
     """A torn checkpoint (as a full disk or a crashed copy leaves it) is never trusted: the
     resumed run loads an older one, re-runs the steps after it and ends identical."""
     outdir = tmp_path / "out"
-    cmd = agent_run("--input", str(small_input), "--outdir", str(outdir), "--sample", SAMPLE)
+    cmd = run_cmd(small_input, outdir, sample=SAMPLE)
     first = run([*cmd, "--max-steps", "14"])
     assert first.returncode == 0, first.stderr
     newest = sorted((outdir / "checkpoints").glob("step_*.h5ad"))[-1]
@@ -225,7 +216,7 @@ def test_damaged_checkpoint_is_passed_over_on_resume(baseline, small_input, tmp_
 
 def test_damaged_record_is_refused_by_name_and_fresh_starts_over(baseline, small_input, tmp_path):
     outdir = tmp_path / "out"
-    cmd = agent_run("--input", str(small_input), "--outdir", str(outdir), "--sample", SAMPLE)
+    cmd = run_cmd(small_input, outdir, sample=SAMPLE)
     first = run([*cmd, "--max-steps", "6"])
     assert first.returncode == 0, first.stderr
     record = outdir / "checkpoints/world_state.json"

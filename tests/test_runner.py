@@ -53,30 +53,33 @@ def test_rendering_of_a_60_step_analysis_stays_under_1000_tokens(demo_run):
     assert "#60 finish" in text or "#60 " in text
 
 
-def run_cmd(input_path: Path, outdir: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "agent",
-        "run",
-        "--input",
-        str(input_path),
-        "--outdir",
-        str(outdir),
-        "--sample",
-        "pbmc2",
-    ]
+def run_cmd(
+    input_path: Path, outdir: Path, *more: str, sample: str = "pbmc2", module: str = "agent"
+) -> list[str]:
+    """`python -m agent run` on one sample (or a module that wraps it and adds `run` itself)."""
+    run = ["run"] if module == "agent" else []
+    args = ["--input", str(input_path), "--outdir", str(outdir), "--sample", sample]
+    return [sys.executable, "-m", module, *run, *args, *more]
+
+
+def facts(world: WorldState) -> list[tuple]:
+    """What two runs must agree on, step by step."""
+    return [(e.step, e.tool, e.params, e.status, e.result, e.digest_after) for e in world.entries]
+
+
+def steps_done(outdir: Path) -> int:
+    try:  # the copy beside the checkpoints: written atomically, so always whole
+        return len(json.loads((outdir / "checkpoints/world_state.json").read_bytes())["entries"])
+    except (OSError, ValueError):
+        return 0
 
 
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_result(demo_run, tmp_path):
     outdir = tmp_path / "killed"
     proc = subprocess.Popen(run_cmd(demo_run.input, outdir), stderr=subprocess.PIPE, text=True)
-    record = outdir / "checkpoints" / "world_state.json"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:  # kill it mid-analysis, after a checkpoint exists
-        if record.exists() and len(json.loads(record.read_text())["entries"]) >= 14:
-            break
+    while steps_done(outdir) < 14 and time.monotonic() < deadline:  # after a checkpoint exists
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -89,8 +92,4 @@ def test_killed_run_resumes_to_the_same_result(demo_run, tmp_path):
     resumed = WorldState.load(outdir / "world_state.json")
     original = WorldState.load(demo_run.world_state)
     assert resumed.meta["status"] == "finished" and resumed.meta["resumed"]
-
-    def facts(w):
-        return [(e.step, e.tool, e.params, e.result, e.status, e.digest_after) for e in w.entries]
-
     assert facts(resumed) == facts(original)
