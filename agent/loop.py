@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Any, TextIO
 
 import orjson
 
 from agent.context import ContextManager
-from agent.policies.base import Decision, Policy, PromptTooLong
+from agent.layout import SampleLayout
+from agent.policies.base import Decision, Policy, PolicyUnavailable, PromptTooLong
 from agent.registry import Outcome, ToolRegistry
 from agent.world_state import Entry, WorldState
 
 NO_CALL = "(no tool call)"
-# Rows go to the first; the runner makes the second the same file (a hard link), which survives
-# Snakemake's deletion of a failed job's outputs.
-METRICS_NAMES = ("metrics.jsonl", "checkpoints/metrics.jsonl")
 NUDGE = "Your last reply had no valid tool call. Call one of the tools; call finish when the analysis is done."
 
 
@@ -27,7 +24,7 @@ def run_loop(
     session: Any,
     world: WorldState,
     context: ContextManager,
-    outdir: Path,
+    layout: SampleLayout,
     max_steps: int = 120,
     max_failures: int = 6,
     log: TextIO = sys.stderr,
@@ -40,6 +37,9 @@ def run_loop(
         t0 = time.perf_counter()
         try:
             decision = policy.decide(messages, schemas, world)
+        except PolicyUnavailable as e:  # the record keeps what was waited out before it failed
+            world.meta.setdefault("outages", []).extend(e.outages)
+            raise
         except PromptTooLong as e:  # our estimate was low: learn from it and cut harder
             overflows += 1
             if overflows > 3:
@@ -47,6 +47,8 @@ def run_loop(
             context.observe_overflow(e.prompt_tokens)
             continue
         think = time.perf_counter() - t0
+        if decision.outages:
+            world.meta.setdefault("outages", []).extend(decision.outages)
         context.observe(decision.usage)
         context.add_decision(decision)
         outcomes = [
@@ -68,28 +70,25 @@ def run_loop(
             after = session.digest()
             entry = world.add(
                 Entry(
-                    world.next_step,
-                    outcome.tool,
-                    outcome.params,
-                    outcome.status,
-                    outcome.result,
-                    outcome.error,
-                    round(outcome.seconds, 4),
-                    digest,
-                    after,
-                    call_id,
+                    **{**vars(outcome), "seconds": round(outcome.seconds, 4)},
+                    step=world.next_step,
+                    digest_before=digest,
+                    digest_after=after,
+                    call_id=call_id,
                 )
             )
             digest = after
             if outcome.ok:
-                entry.checkpoint = session.after_step(entry.step, outcome.tool)
+                entry.checkpoint = session.after_step(
+                    entry.step, outcome.tool, registry.spec(outcome.tool)
+                )
             if call_id is None:
                 context.add_user(NUDGE)
             else:
                 context.add_result(call_id, outcome)
             failures = 0 if outcome.ok else failures + 1
-        world.save_record(outdir, step=True)
-        _report(outdir, log, world, decision, context, think, outcomes)
+        world.save_record(layout, step=True)
+        _report(layout, log, world, decision, context, think, outcomes)
         if any(o.ok and o.tool == "finish" for _, o in outcomes):
             return "finished"
         if failures >= max_failures:
@@ -98,7 +97,7 @@ def run_loop(
 
 
 def _report(
-    outdir: Path,
+    layout: SampleLayout,
     log: TextIO,
     world: WorldState,
     decision: Decision,
@@ -121,7 +120,7 @@ def _report(
         "time": time.time(),
         **context.last,
     }
-    with open(outdir / METRICS_NAMES[0], "ab") as f:
+    with open(layout.metrics, "ab") as f:
         f.write(orjson.dumps(row) + b"\n")
     tokens = (
         f" | prompt {u.prompt_tokens} completion {u.completion_tokens} cached {u.cached_tokens}"

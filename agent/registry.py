@@ -5,10 +5,15 @@ parameters are keyword arguments with type hints (ranges via ``Annotated[float, 
 choices via ``Literal``). Its docstring's first paragraph describes it to the model; parameter
 descriptions come from ``Field(description=...)`` or from the docstring's Args/Parameters
 section. A call never raises: every failure becomes an error ``Outcome`` that the model reads.
+
+What the rest of the project needs to know about a tool (what must have succeeded before it, whether
+it is worth a checkpoint, whether it changes the data, what kind of step it is) is declared once, by
+the ``@tool(...)`` decorator on the function; the registry refuses a function without it.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import Callable, Iterable
@@ -25,14 +30,63 @@ class ToolError(Exception):
     """A failure the model should read and can act on (wrong order, bad input, bad value)."""
 
 
+Kind = Literal[
+    "io", "qc", "cell_filter", "gene_filter", "doublets", "preprocess", "embed", "cluster",
+    "markers", "annotate", "plot", "finish",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool's metadata, declared with ``@tool`` next to the function."""
+
+    kind: Kind
+    # Tools that must have succeeded (since the data were loaded) before this one runs; a
+    # function of the validated parameters where that depends on them (e.g. the kind of plot).
+    needs: tuple[str, ...] | Callable[[dict[str, Any]], tuple[str, ...]] = ()
+    expensive: bool = False  # seconds to minutes to recompute: worth a checkpoint of its own
+    mutates: bool = True  # changes the data; False: never a checkpoint, not an analysis choice
+
+    def needs_for(self, params: dict[str, Any]) -> tuple[str, ...]:
+        return self.needs(params) if callable(self.needs) else self.needs
+
+
+def tool(
+    kind: Kind,
+    needs: tuple[str, ...] | Callable[[dict[str, Any]], tuple[str, ...]] = (),
+    expensive: bool = False,
+    mutates: bool = True,
+) -> Callable[[Callable[..., dict[str, Any]]], Callable[..., dict[str, Any]]]:
+    """Declare a function a tool. Whoever calls it (the loop, a resume re-running recorded steps,
+    a replay, a test), it first checks ``needs`` against ``session.done`` and, when it returns,
+    adds its own name there, so prerequisites always see the truth."""
+    spec = ToolSpec(kind, needs, expensive, mutates)
+
+    def wrap(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        @functools.wraps(fn)
+        def run(session: Any, **params: Any) -> dict[str, Any]:
+            needs = spec.needs_for(params)
+            if needs:
+                session.require(fn.__name__, *needs)
+            result = fn(session, **params)
+            session.done.add(fn.__name__)
+            return result
+
+        run.spec = spec  # type: ignore[attr-defined]
+        return run
+
+    return wrap
+
+
 @dataclass
 class Outcome:
     tool: str
-    params: dict[str, Any]
+    params: dict[str, Any]  # exactly as the tool ran, defaults filled in ({} when rejected)
     status: Literal["ok", "error"]
     result: dict[str, Any] | None
     error: str | None
     seconds: float
+    rejected_arguments: Any = None  # the arguments as sent, when they failed validation
 
     @property
     def ok(self) -> bool:
@@ -50,6 +104,7 @@ class _Tool:
     fn: Callable[..., dict[str, Any]]
     model: type[BaseModel]
     schema: dict[str, Any]
+    spec: ToolSpec
 
 
 def _strip_titles(node: Any) -> Any:
@@ -70,6 +125,9 @@ def jsonable(value: Any) -> Any:
 
 
 def _build(fn: Callable[..., dict[str, Any]]) -> _Tool:
+    spec = getattr(fn, "spec", None)
+    if not isinstance(spec, ToolSpec):
+        raise TypeError(f"tool {fn.__name__}: declare it with @tool(kind=..., needs=...)")
     doc = docstring_parser.parse(inspect.getdoc(fn) or "")
     param_docs = {p.arg_name: p.description for p in doc.params}
     fields: dict[str, Any] = {}
@@ -98,7 +156,7 @@ def _build(fn: Callable[..., dict[str, Any]]) -> _Tool:
             "parameters": _strip_titles(model.model_json_schema()),
         },
     }
-    return _Tool(fn, model, schema)
+    return _Tool(fn, model, schema, spec)
 
 
 def _explain(err: ValidationError, tool: str) -> str:
@@ -120,14 +178,19 @@ class ToolRegistry:
     def __init__(self, tools: Iterable[Callable[..., dict[str, Any]]]):
         self._tools = {fn.__name__: _build(fn) for fn in tools}
 
-    @property
-    def names(self) -> list[str]:
-        return list(self._tools)
+    def spec(self, name: str) -> ToolSpec:
+        return self._tools[name].spec
+
+    def specs(self) -> dict[str, ToolSpec]:
+        return {name: t.spec for name, t in self._tools.items()}
 
     def defaults(self) -> dict[str, dict[str, Any]]:
-        """Per tool, the parameters that have defaults and their values."""
+        """Per tool, the parameters that have defaults and their values, as JSON values (as the
+        record holds parameters: tuples are lists)."""
         return {
-            name: {k: f.default for k, f in t.model.model_fields.items() if not f.is_required()}
+            name: {
+                k: jsonable(f.default) for k, f in t.model.model_fields.items() if not f.is_required()
+            }
             for name, t in self._tools.items()
         }
 
@@ -157,13 +220,18 @@ class ToolRegistry:
 
     def call(self, name: str, arguments: str | dict[str, Any] | None, session: Any) -> Outcome:
         start = time.perf_counter()
-        params: dict[str, Any] = {"_raw": arguments}  # replaced by the validated parameters
+        params: dict[str, Any] = {}
+        rejected: Any = None
         try:
-            params = self.validate(name, arguments)
+            try:
+                params = self.validate(name, arguments)
+            except ToolError:
+                rejected = arguments
+                raise
             result = jsonable(self._tools[name].fn(session, **params))
             status, error = "ok", None
         except ToolError as e:
             result, status, error = None, "error", str(e)
         except Exception as e:  # a tool bug must not end the run; the model and record see it
             result, status, error = None, "error", f"{name} failed: {type(e).__name__}: {e}"
-        return Outcome(name, params, status, result, error, time.perf_counter() - start)
+        return Outcome(name, params, status, result, error, time.perf_counter() - start, rejected)

@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agent.runner import checksum, now, versions
-from agent.tools.session import CHECKPOINT_DIR, DIGEST_VERSION
-from agent.world_state import Entry, WorldState, atomic_write
+from agent.config import RunConfig
+from agent.durable import atomic_write_json
+from agent.layout import SampleLayout
+from agent.provenance import checksum, now, versions
+from agent.tools.session import DIGEST_VERSION
+from agent.world_state import Entry, WorldState
 
 RTOL = 1e-6
 ATOL = 1e-9
@@ -163,7 +166,7 @@ def compare_checkpoints(recorded: Path, replayed: Path, tol: Tolerance) -> str |
 def _checkpoint(folder: Path, recorded: str) -> Path:
     """A recorded checkpoint path, or its namesake in the folder's checkpoints/ (results moved)."""
     path = folder / recorded  # an absolute recorded path stays as it is
-    return path if path.is_file() else folder / CHECKPOINT_DIR / Path(recorded).name
+    return path if path.is_file() else SampleLayout(folder).checkpoints / Path(recorded).name
 
 
 def compare_step(
@@ -260,21 +263,20 @@ def _scratch(workdir: str | Path | None) -> tuple[Path, bool]:
     return path, False
 
 
-def _runner_args(recorded: WorldState, source: Path, workdir: Path, n_calls: int) -> Any:
-    """The arguments of `agent run` for a replay, parsed by the runner's own parser."""
-    from agent.runner import add_arguments
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
+def _replay_config(recorded: WorldState, source: Path, workdir: Path, n_calls: int) -> RunConfig:
+    """The run that repeats the record: same input, sample, seed and context, in ``workdir``."""
     meta = recorded.meta
-    argv = [
-        "--input", meta["input"], "--outdir", str(workdir), "--policy", "replay",
-        "--world-state", str(source), "--sample", str(meta.get("sample") or "replay"),
-        "--seed", str(meta.get("seed", 0)), "--max-steps", str(max(n_calls, 1)), "--fresh",
-    ]  # fmt: skip
-    if meta.get("context_limit"):
-        argv += ["--context-limit", str(meta["context_limit"])]
-    return parser.parse_args(argv)
+    return RunConfig(
+        input=meta["input"],
+        outdir=workdir,
+        policy="replay",
+        world_state=source,
+        sample=str(meta.get("sample") or "replay"),
+        seed=meta.get("seed", 0),
+        max_steps=max(n_calls, 1),
+        fresh=True,
+        **({"context_limit": meta["context_limit"]} if meta.get("context_limit") else {}),
+    )
 
 
 def replay(
@@ -295,10 +297,10 @@ def replay(
     try:
         problem = None
         try:
-            status = run_sample(_runner_args(recorded, source, scratch, len(calls)))
+            status = run_sample(_replay_config(recorded, source, scratch, len(calls)))
         except Exception as e:  # a crash is a divergence to report, not a reason to lose it
             status, problem = "failed", f"{type(e).__name__}: {e}"
-        state_file = scratch / "world_state.json"
+        state_file = SampleLayout(scratch).record
         replayed = WorldState.load(state_file).entries if state_file.is_file() else []
         dirs = (source.parent.resolve(), scratch.resolve())
         relocate = (str(dirs[1]), str(dirs[0]))
@@ -379,8 +381,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import orjson
-
     if args.rtol < 0 or args.atol < 0:
         print(
             f"error: tolerances must be >= 0 (rtol={args.rtol}, atol={args.atol})", file=sys.stderr
@@ -391,7 +391,7 @@ def main(args: argparse.Namespace) -> int:
     except ReplayError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else Path(args.world_state).with_name("replay.json")
-    atomic_write(out, orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    out = Path(args.out) if args.out else SampleLayout(Path(args.world_state).parent).replay
+    atomic_write_json(out, doc, indent=True)
     print(f"{doc['sample']}: {doc['verdict']} ({doc['summary']}); wrote {out}")
     return 1 if doc["diverged_step"] is not None or doc["replay_error"] else 0

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from agent.context import ContextManager
+from agent.layout import SampleLayout
 from agent.loop import run_loop
 from agent.policies.base import Decision, Policy, ToolCall
 from agent.prompts import BRIEF, SYSTEM_PROMPT
@@ -48,7 +49,7 @@ def record_reference(workdir: Path, sample: str = RECORD_SAMPLE) -> Path:
         )
         if done.returncode:
             raise RuntimeError(f"python -m agent {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
-    return out / "world_state.json"
+    return SampleLayout(out).record
 
 
 def script(record: WorldState, steps: int | None = None) -> list[Entry]:
@@ -134,7 +135,9 @@ class ScriptedRegistry(ToolRegistry):
             raise RuntimeError(f"script out of step: called {name} {arguments}, expected {e.tool}")
         if self.sleep:
             time.sleep(e.seconds)
-        return Outcome(e.tool, e.params, e.status, e.result, e.error, e.seconds)
+        return Outcome(
+            e.tool, e.params, e.status, e.result, e.error, e.seconds, e.rejected_arguments
+        )
 
 
 class NullSession:
@@ -143,7 +146,7 @@ class NullSession:
     def digest(self) -> None:
         return None
 
-    def after_step(self, step: int, tool: str) -> None:
+    def after_step(self, step: int, tool: str, spec: object) -> None:
         return None
 
 
@@ -178,7 +181,8 @@ def run_session(
 ) -> SessionRun:
     """One scripted session through the project's loop; its metrics rows and wall seconds."""
     outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "metrics.jsonl").unlink(missing_ok=True)
+    layout = SampleLayout(outdir)
+    layout.metrics.unlink(missing_ok=True)
     context.add_user(BRIEF.format(sample=sample, input="counts.h5ad", brief=""))
     world = WorldState(meta={"sample": sample})
     start = time.perf_counter()
@@ -188,10 +192,10 @@ def run_session(
         NullSession(),
         world,
         context,
-        outdir,
+        layout,
         max_steps=len(entries),
         log=io.StringIO(),
     )
     seconds = time.perf_counter() - start
-    rows = [orjson.loads(line) for line in (outdir / "metrics.jsonl").read_bytes().splitlines()]
+    rows = [orjson.loads(line) for line in layout.metrics.read_bytes().splitlines()]
     return SessionRun(status, seconds, rows, context)

@@ -1,6 +1,6 @@
 """One vLLM server for a benchmark, started through ``python -m agent serve`` and always stopped.
 
-The model is the tiny random-weight Qwen3-style model of tests/tiny_model.py unless a model
+The model is the tiny random-weight Qwen3-style model of agent/testing/tiny_model.py unless a model
 directory is given: its text is noise, but token counts, prefix caching and prefill costs are the
 server's real ones. The server runs with ``VLLM_SERVER_DEV_MODE=1`` so that a benchmark can empty
 the prefix cache between arms (``POST /reset_prefix_cache``) and compare them from the same start.
@@ -21,11 +21,15 @@ from pathlib import Path
 
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny model, server helpers
-
+from agent.endpoint import Endpoint, http_json, read_endpoint, root_url
 from agent.policies.llm import LLMPolicy
-from agent.serve.endpoint import Endpoint, http_json, read_endpoint, root_url
-from tests.local_server import ServerFailed, launch, prometheus, stop_launcher, wait_for_endpoint
+from agent.testing.local_server import (
+    ServerFailed,
+    launch,
+    prometheus,
+    stop_launcher,
+    wait_for_endpoint,
+)
 
 SERVED_NAME = "bench-model"
 STOP_TIMEOUT_S = 90.0
@@ -113,7 +117,7 @@ def serve_from_args(args: argparse.Namespace, workdir: Path, agents: int = 4):
 def tiny_model(workdir: Path) -> Path:
     from transformers.utils import logging as hf_logging
 
-    from tests.tiny_model import build_tiny_model
+    from agent.testing.tiny_model import build_tiny_model
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in a benchmark's output
     target = workdir / "tiny-qwen3"

@@ -22,20 +22,25 @@ from typing import Annotated
 from pydantic import Field
 
 from agent.context import ContextManager
+from agent.layout import SampleLayout
 from agent.loop import run_loop
 from agent.policies.base import Decision, ToolCall
-from agent.registry import ToolRegistry
+from agent.registry import ToolRegistry, tool
 from agent.world_state import WorldState
 
 
 class NullSession:
+    def __init__(self):
+        self.done: set[str] = set()
+
     def digest(self) -> str:
         return "0" * 32
 
-    def after_step(self, step: int, tool: str) -> None:
+    def after_step(self, step: int, tool: str, spec: object) -> None:
         return None
 
 
+@tool("markers", mutates=False)
 def big_result(session: NullSession, kb: Annotated[int, Field(ge=0, le=1024)] = 1) -> dict:
     """Return a result of about `kb` kilobytes."""
     return {
@@ -44,6 +49,7 @@ def big_result(session: NullSession, kb: Annotated[int, Field(ge=0, le=1024)] = 
     }
 
 
+@tool("finish", mutates=False)
 def finish(session: NullSession) -> dict:
     """Stop."""
     return {"done": True}
@@ -80,7 +86,7 @@ def reference_tool_seconds(workdir: Path) -> float | None:
         check=True,
         capture_output=True,
     )
-    world = WorldState.load(out / "world_state.json")
+    world = WorldState.load(SampleLayout(out).record)
     return statistics.mean(e.seconds for e in world.entries)
 
 
@@ -103,7 +109,7 @@ def main() -> None:
             NullSession(),
             world,
             ctx,
-            tmpdir,
+            SampleLayout(tmpdir),
             max_steps=args.steps + 1,
             log=io.StringIO(),
         )

@@ -26,8 +26,8 @@ import _server
 import openai
 import orjson
 
+from agent.endpoint import http_json, root_url
 from agent.prompts import BRIEF, SYSTEM_PROMPT
-from agent.serve.endpoint import http_json, root_url
 from agent.world_state import WorldState
 
 # issue 8: a 36K-token agent prefix, cold and warm, on data-centre GPUs

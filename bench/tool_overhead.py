@@ -36,6 +36,7 @@ from pathlib import Path
 import _report
 from _plain_scanpy import TIMINGS_FILE
 
+from agent.layout import SampleLayout
 from agent.world_state import WorldState
 
 HERE = Path(__file__).resolve().parent
@@ -97,7 +98,7 @@ def compare(cells: int, folder: Path) -> list[list[str]]:
          *("--input", str(data), "--outdir", str(tools_out))],
         folder / "tools.log",
     )  # fmt: skip
-    record = tools_out / "world_state.json"
+    record = SampleLayout(tools_out).record
     plain = measure(
         [sys.executable, str(HERE / "_plain_scanpy.py"), str(record), str(data), str(plain_out)],
         folder / "plain.log",

@@ -9,9 +9,11 @@ uninterrupted one. Everything else (runner, loop, LLMPolicy, waits, resume) is t
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any
 
 from agent import cli, runner
+from agent.policies import PolicySetup
 from agent.policies.base import Decision
 from agent.policies.reference import ReferencePolicy
 
@@ -19,18 +21,18 @@ _make_policy = runner.make_policy
 
 
 class ServerThenReference:
-    def __init__(self, llm: Any):
-        self.llm, self.reference = llm, ReferencePolicy()
+    def __init__(self, llm: Any, registry: Any):
+        self.llm, self.reference = llm, ReferencePolicy(registry)
 
     def decide(self, messages, tools, world) -> Decision:
         reply = self.llm.decide(messages, tools, world)
         planned = self.reference.decide(messages, tools, world)
-        return Decision(planned.calls, reply.text, reply.usage, reply.finish_reason)
+        return Decision(planned.calls, reply.text, reply.usage, reply.finish_reason, reply.outages)
 
 
-def make_policy(args, meta):
-    policy, limit, tokenizer = _make_policy(args, meta)
-    return ServerThenReference(policy), limit, tokenizer
+def make_policy(config, registry) -> PolicySetup:
+    setup = _make_policy(config, registry)
+    return replace(setup, policy=ServerThenReference(setup.policy, registry))
 
 
 if __name__ == "__main__":

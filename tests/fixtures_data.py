@@ -42,7 +42,7 @@ def run_reference(
     registry = REGISTRY
     session = Session(outdir, seed=seed, input_path=input_path)
     world = WorldState(meta={"input": str(input_path)})
-    policy = ReferencePolicy()
+    policy = ReferencePolicy(registry)
     for _ in range(max_steps):
         decision = policy.decide([], registry.schemas(), world)
         if not decision.calls:
@@ -51,11 +51,13 @@ def run_reference(
         before = session.digest()
         outcome = registry.call(call.name, call.arguments, session)
         entry = world.add(Entry(
-            world.next_step, outcome.tool, outcome.params, outcome.status, outcome.result,
-            outcome.error, outcome.seconds, before, session.digest(), call.id,
+            **vars(outcome), step=world.next_step, digest_before=before,
+            digest_after=session.digest(), call_id=call.id,
         ))  # fmt: skip
         if outcome.ok:
-            entry.checkpoint = session.after_step(entry.step, outcome.tool)
+            entry.checkpoint = session.after_step(
+                entry.step, outcome.tool, registry.spec(outcome.tool)
+            )
             if outcome.tool in ("finish", stop_after):
                 break
     return session, world
@@ -94,7 +96,7 @@ def reference_stages(small_input: Path, tmp_path_factory: pytest.TempPathFactory
     registry = REGISTRY
     session = Session(outdir, seed=0, input_path=small_input)
     world = WorldState()
-    policy = ReferencePolicy()
+    policy = ReferencePolicy(registry)
     stages: dict[str, Any] = {}
     for _ in range(60):
         decision = policy.decide([], registry.schemas(), world)
@@ -105,18 +107,10 @@ def reference_stages(small_input: Path, tmp_path_factory: pytest.TempPathFactory
         assert outcome.ok, f"reference step {call.name} failed on the small sample: {outcome.error}"
         world.add(
             Entry(
-                world.next_step,
-                outcome.tool,
-                outcome.params,
-                "ok",
-                outcome.result,
-                None,
-                0.0,
-                None,
-                None,
-                call.id,
+                **vars(outcome), step=world.next_step, digest_before=None, digest_after=None,
+                call_id=call.id,
             )
-        )
+        )  # fmt: skip
         if outcome.tool == "finish":
             break
         stages[outcome.tool] = (session.adata.copy(), set(session.done), outcome.result)

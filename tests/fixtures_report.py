@@ -3,7 +3,6 @@ tests (session scope: the analysis takes ~20 s, so it runs once)."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,17 +26,13 @@ class DemoRun:
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     """`agent run --policy reference` on a demo sample, in process (read-only for tests)."""
-    from agent.runner import add_arguments, run_sample
+    from agent.config import RunConfig
+    from agent.runner import run_sample
 
     root = tmp_path_factory.mktemp("report_demo")
     input_path = write_sample(DEMO_COHORT[DEMO_SAMPLE], root / "data" / DEMO_SAMPLE)
     outdir = root / "samples" / DEMO_SAMPLE
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(
-        ["--input", str(input_path), "--outdir", str(outdir), "--sample", DEMO_SAMPLE]
-    )
-    assert run_sample(args) == "finished"
+    assert run_sample(RunConfig(input=input_path, outdir=outdir, sample=DEMO_SAMPLE)) == "finished"
     return DemoRun(input_path, outdir, outdir / "world_state.json", truth_path(input_path))
 
 

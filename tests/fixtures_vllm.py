@@ -1,7 +1,7 @@
 """A real vLLM server (CPU backend) for the whole test session, started through ``python -m agent serve``.
 
 One server serves every test that asks for ``vllm_server``: it starts once (about a minute on two
-cores), serves the tiny random-weight model of tests/tiny_model.py with ``--max-model-len 16384``,
+cores), serves the tiny random-weight model of agent/testing/tiny_model.py with ``--max-model-len 16384``,
 and is stopped with SIGTERM at the end of the session; the teardown fails if it does not stop.
 A start-up failure is remembered, so later tests fail at once with the same log tail instead of
 starting again.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.serve.endpoint import Endpoint, read_endpoint
-from tests.local_server import (
+from agent.endpoint import Endpoint, read_endpoint
+from agent.testing.local_server import (
     ServerFailed,
     launch,
     launcher_stderr,
@@ -28,7 +28,7 @@ from tests.local_server import (
     stop_launcher,
     wait_for_endpoint,
 )
-from tests.tiny_model import build_tiny_model
+from agent.testing.tiny_model import build_tiny_model
 
 SERVED_NAME = "tiny-qwen3"
 MAX_MODEL_LEN = 16384  # room for the real tool schemas (~6K tokens) and a history to cut

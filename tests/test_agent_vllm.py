@@ -1,6 +1,5 @@
 """The agent against a real vLLM server (CPU, tiny random-weight model): the LLM path end to end."""
 
-import argparse
 import io
 import json
 from collections import Counter
@@ -9,12 +8,14 @@ from typing import Annotated
 import pytest
 from pydantic import Field
 
+from agent.config import RunConfig
 from agent.context import ContextManager
+from agent.layout import SampleLayout
 from agent.loop import run_loop
 from agent.policies.base import Decision, PromptTooLong, ToolCall
 from agent.policies.llm import LLMPolicy
-from agent.registry import ToolRegistry
-from agent.runner import add_arguments, run_sample
+from agent.registry import ToolRegistry, tool
+from agent.runner import run_sample
 from agent.world_state import WorldState
 
 pytestmark = pytest.mark.vllm
@@ -23,28 +24,17 @@ pytestmark = pytest.mark.vllm
 def test_llm_run_with_the_real_tools(vllm_server, demo_run, tmp_path):
     """`agent run --policy llm` over the endpoint file: the real scanpy tool schemas go to vLLM, the
     (random) model's calls are recorded, valid or not, with usage, cached tokens and calibration."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
     outdir = tmp_path / "llm"
-    args = parser.parse_args(
-        [
-            "--input",
-            str(demo_run.input),
-            "--outdir",
-            str(outdir),
-            "--sample",
-            "pbmc2",
-            "--policy",
-            "llm",
-            "--endpoint-file",
-            str(vllm_server.endpoint_file),
-            "--max-steps",
-            "6",
-            "--max-tokens",
-            "48",
-        ]
+    config = RunConfig(
+        input=demo_run.input,
+        outdir=outdir,
+        sample="pbmc2",
+        policy="llm",
+        endpoint_file=vllm_server.endpoint_file,
+        max_steps=6,
+        max_tokens=48,
     )
-    status = run_sample(args)
+    status = run_sample(config)
     assert status in {"step_limit", "repeated_failures", "finished"}
     world = WorldState.load(outdir / "world_state.json")
     assert world.meta["model"] == vllm_server.model
@@ -59,6 +49,7 @@ def test_llm_run_with_the_real_tools(vllm_server, demo_run, tmp_path):
         assert r["estimated_prompt_tokens"] <= 1.3 * r["prompt_tokens"]
 
 
+@tool("qc", mutates=False)
 def inspect_data(session: object) -> dict:
     """Report the current table (large)."""
     return {
@@ -66,16 +57,20 @@ def inspect_data(session: object) -> dict:
     }
 
 
+@tool("finish", mutates=False)
 def finish(session: object, summary: Annotated[str, Field(max_length=20)] = "") -> dict:
     """End the analysis."""
     return {"done": True}
 
 
 class Session:
+    def __init__(self):
+        self.done: set[str] = set()
+
     def digest(self) -> str:
         return "same"
 
-    def after_step(self, step: int, tool: str) -> None:
+    def after_step(self, step: int, tool: str, spec: object) -> None:
         return None
 
 
@@ -122,7 +117,7 @@ def test_long_session_survives_a_small_context(vllm_server, tmp_path):
         Session(),
         world,
         ctx,
-        tmp_path,
+        SampleLayout(tmp_path),
         max_steps=85,
         max_failures=1000,
         log=io.StringIO(),

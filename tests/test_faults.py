@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from agent.testing.local_server import REPO, launcher_stderr, stop_launcher
 from agent.world_state import WorldState
 from tests.fixtures_vllm import group_alive, start_server, vllm_skip_reason
 from tests.fixtures_workflow import workflow_env
-from tests.local_server import REPO, launcher_stderr, stop_launcher
 from tests.test_runner import facts, run_cmd, steps_done
 
 SAMPLE = "small"

@@ -4,10 +4,10 @@ import io
 import json
 import time
 
-import openai
 import pytest
 
 from agent.context import ContextManager
+from agent.layout import SampleLayout
 from agent.loop import run_loop
 from agent.policies.llm import LLMPolicy, ServerUnavailable
 from agent.registry import ToolRegistry
@@ -23,7 +23,8 @@ def run(server, tmp_path, limit=None, outage_wait=5.0, **kw):
     )
     ctx.add_user("analyse S1")
     world = WorldState(meta={"sample": "S1"})
-    status = run_loop(policy, reg, Counter(), world, ctx, tmp_path, log=io.StringIO(), **kw)
+    layout = SampleLayout(tmp_path)
+    status = run_loop(policy, reg, Counter(), world, ctx, layout, log=io.StringIO(), **kw)
     return status, world, ctx
 
 
@@ -71,9 +72,10 @@ def test_outage_longer_than_client_retries_is_waited_out(scripted_server, tmp_pa
 
 def test_persistent_failure_ends_with_a_clear_error(scripted_server, tmp_path):
     scripted_server.fail_next = 100
-    with pytest.raises(openai.InternalServerError):
+    with pytest.raises(ServerUnavailable, match="failed the request again") as err:
         run(scripted_server, tmp_path)
     assert len(scripted_server.requests) == 8  # two bounded rounds of 1 + 3 retries, not forever
+    assert [o["step"] for o in err.value.outages] == [1]  # the wait, for the record
 
 
 def test_dead_server_ends_with_a_clear_error_within_the_wait(scripted_server, tmp_path):

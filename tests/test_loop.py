@@ -10,11 +10,12 @@ import pytest
 from pydantic import Field
 
 from agent.context import ContextManager
+from agent.layout import SampleLayout
 from agent.loop import NO_CALL, run_loop
 from agent.policies.base import Decision, ToolCall, Usage
 from agent.policies.replay import ReplayPolicy
-from agent.registry import ToolRegistry
-from agent.world_state import WorldState
+from agent.registry import ToolRegistry, ToolSpec, tool
+from agent.world_state import Entry, WorldState
 
 
 class Counter:
@@ -23,21 +24,24 @@ class Counter:
     def __init__(self):
         self.value = 0
         self.checkpoints: list[int] = []
+        self.done: set[str] = set()
 
     def digest(self) -> str:
         return f"v{self.value}"
 
-    def after_step(self, step: int, tool: str) -> str | None:
+    def after_step(self, step: int, tool: str, spec: ToolSpec) -> str | None:
         self.checkpoints.append(step)
         return f"checkpoints/step_{step:04d}.h5ad" if tool == "add" else None
 
 
+@tool("preprocess")
 def add(session: Counter, n: Annotated[int, Field(ge=1, le=10)] = 1) -> dict:
     """Add n."""
     session.value += n
     return {"value": session.value, "blob": "z" * 4000}
 
 
+@tool("finish", mutates=False)
 def finish(session: Counter) -> dict:
     """Stop."""
     return {"final": session.value}
@@ -65,7 +69,7 @@ def go(
     ctx = ContextManager("instructions", reg.schemas(), context_limit=limit, completion_reserve=100)
     ctx.add_user("analyse S1")
     log = io.StringIO()
-    status = run_loop(policy, reg, Counter(), world, ctx, tmp_path, log=log, **kw)
+    status = run_loop(policy, reg, Counter(), world, ctx, SampleLayout(tmp_path), log=log, **kw)
     return status, world, ctx, log.getvalue()
 
 
@@ -164,7 +168,6 @@ def test_replay_policy_repeats_successful_calls(tmp_path):
 @pytest.mark.parametrize("steps", [60])
 def test_render_stays_compact(steps):
     from agent.context import TokenCounter
-    from agent.world_state import Entry
 
     world = WorldState()
     tools = [
@@ -180,11 +183,11 @@ def test_render_stays_compact(steps):
         ok = i % 9 != 0
         world.add(
             Entry(
-                i,
-                tools[i % len(tools)],
-                {"resolution": 0.8, "n_pcs": 30, "key": "leiden"},
-                "ok" if ok else "error",
-                {
+                step=i,
+                tool=tools[i % len(tools)],
+                params={"resolution": 0.8, "n_pcs": 30, "key": "leiden"},
+                status="ok" if ok else "error",
+                result={
                     "n_cells": 2911,
                     "n_clusters": 9,
                     "sizes": list(range(40)),
@@ -192,10 +195,10 @@ def test_render_stays_compact(steps):
                 }
                 if ok
                 else None,
-                None if ok else "leiden needs neighbors first: call neighbors",
-                1.0,
-                "a" * 32,
-                "b" * 32,
+                error=None if ok else "leiden needs neighbors first: call neighbors",
+                seconds=1.0,
+                digest_before="a" * 32,
+                digest_after="b" * 32,
             )
         )
     text = world.render()
@@ -242,14 +245,14 @@ def test_record_is_whole_after_every_step_and_saved_by_appending(tmp_path):
     # a spare that another name links, or one of another meta, is not written to: a new file is
     os.link(spare, tmp_path / "mine.json")
     kept = (tmp_path / "mine.json").read_bytes()
-    world.save_record(tmp_path, step=True)
+    world.save_record(SampleLayout(tmp_path), step=True)
     assert (tmp_path / "mine.json").read_bytes() == kept
     assert (tmp_path / "world_state.json").read_bytes() == world.to_json()
     world.meta["note"] = "x"
-    world.save_record(tmp_path, step=True)
+    world.save_record(SampleLayout(tmp_path), step=True)
     assert (tmp_path / "world_state.json").read_bytes() == world.to_json()
     # any other save (the runner's last) writes the record anew and drops the spare
-    world.save_record(tmp_path)
+    world.save_record(SampleLayout(tmp_path))
     assert not spare.exists() and WorldState.load(tmp_path / "world_state.json") == world
 
 
@@ -262,8 +265,28 @@ def test_a_new_process_writes_no_file_it_did_not_write(tmp_path):
     ctx = ContextManager("instructions", reg.schemas(), context_limit=100_000)
     policy = Scripted(*[call("add", "{}", i) for i in range(3, 6)], call("finish", "{}", 6))
     with open(files[0], "rb") as spare, open(files[1], "rb") as record:  # the files, not names
-        status = run_loop(policy, reg, Counter(), resumed, ctx, tmp_path, log=io.StringIO())
+        status = run_loop(
+            policy, reg, Counter(), resumed, ctx, SampleLayout(tmp_path), log=io.StringIO()
+        )
         assert [spare.read(), record.read()] == before
     assert status == "finished"
     assert (tmp_path / "world_state.json").read_bytes() == resumed.to_json()
     assert len(resumed.entries) == 7
+
+
+def test_record_format_and_records_written_before_rejected_arguments(tmp_path):
+    """Entries keep the keys and order records always had; a call refused before it ran adds its
+    arguments as sent, and an older record's params._raw reads back into that field."""
+    decisions = Scripted(call("add", '{"n": 99}', 1), call("finish", "{}", 2))
+    status, _, _, _ = go(decisions, tmp_path)
+    assert status == "finished"
+    doc = json.loads((tmp_path / "world_state.json").read_text())
+    refused, done = doc["entries"]
+    assert list(done) == ["step", "tool", "params", "status", "result", "error", "seconds",
+                          "digest_before", "digest_after", "call_id", "checkpoint"]  # fmt: skip
+    assert refused["params"] == {} and refused["rejected_arguments"] == '{"n": 99}'
+    old = {k: v for k, v in refused.items() if k != "rejected_arguments"}
+    old["params"] = {"_raw": '{"n": 99}'}
+    entry = Entry.from_json(old)
+    assert (entry.params, entry.rejected_arguments) == ({}, '{"n": 99}')
+    assert "add({\"n\": 99})" in WorldState(entries=[entry]).render()

@@ -46,9 +46,10 @@ class World:
         when validation failed (``invalid``)."""
         call = decision.calls[0]
         params = orjson.loads(call.arguments)
-        recorded = {"_raw": call.arguments} if invalid else REGISTRY.validate(call.name, params)
+        recorded = {} if invalid else REGISTRY.validate(call.name, params)
         self.entries.append(SimpleNamespace(
             step=len(self.entries) + 1, tool=call.name, params=recorded,
+            rejected_arguments=call.arguments if invalid else None,
             status="ok" if ok else "error", result=RESULTS.get(call.name, {}) if ok else None,
             error=None if ok else f"{call.name} broke",
         ))  # fmt: skip
@@ -56,7 +57,7 @@ class World:
 
 
 def decide(world: World):
-    return ReferencePolicy().decide([], SCHEMAS, world)
+    return ReferencePolicy(REGISTRY).decide([], SCHEMAS, world)
 
 
 def test_happy_sequence_uses_earlier_results():
@@ -115,7 +116,7 @@ def test_failed_optional_step_gets_its_fallback_then_is_skipped(invalid):
     names = run_until_done(world, fails={"detect_doublets"}, invalid=invalid)
     assert names.count("detect_doublets") == 2 and "remove_doublets" not in names
     fallback = [e for e in world.entries if e.tool == "detect_doublets"][1]
-    sent = orjson.loads(fallback.params["_raw"]) if invalid else fallback.params
+    sent = orjson.loads(fallback.rejected_arguments) if invalid else fallback.params
     assert sent["threshold"] == 0.25
     assert names[-1] == "finish"
 

@@ -3,9 +3,18 @@ from typing import Annotated, Literal
 import pytest
 from pydantic import Field
 
-from agent.registry import ToolError, ToolRegistry
+from agent.registry import ToolError, ToolRegistry, tool
 
 
+class Toy(dict):
+    """A session: what has been done so far, as keys, plus the done set every tool updates."""
+
+    def __init__(self, **done: bool):
+        super().__init__(**done)
+        self.done: set[str] = set()
+
+
+@tool("cluster", expensive=True)
 def leiden(
     session: dict,
     resolution: Annotated[float, Field(ge=0.01, le=5.0, description="Leiden resolution")] = 1.0,
@@ -22,6 +31,7 @@ def leiden(
     return {"resolution": resolution, "n_iterations": n_iterations}
 
 
+@tool("qc")
 def crash(session: dict) -> dict:
     """A tool with a bug."""
     return {"x": 1 / 0}
@@ -51,7 +61,7 @@ def test_schema_from_signature_and_docstring(reg):
 
 
 def test_valid_call_records_exact_params_with_defaults(reg):
-    out = reg.call("leiden", '{"resolution": 0.5}', {"neighbors": True})
+    out = reg.call("leiden", '{"resolution": 0.5}', Toy(neighbors=True))
     assert out.ok and out.result == {"resolution": 0.5, "n_iterations": 2}
     assert out.params == {"resolution": 0.5, "flavor": "igraph", "n_iterations": 2}
 
@@ -74,18 +84,19 @@ def test_valid_call_records_exact_params_with_defaults(reg):
     ],
 )
 def test_every_failure_is_an_error_outcome(reg, name, args, message):
-    out = reg.call(name, args, {"neighbors": True})
+    out = reg.call(name, args, Toy(neighbors=True))
     assert out.status == "error" and out.result is None
     assert message in out.error
     assert out.for_model() == {"error": out.error}
 
 
 def test_tool_error_reaches_the_model(reg):
-    out = reg.call("leiden", "{}", {})
+    out = reg.call("leiden", "{}", Toy())
     assert out.error == "leiden needs the neighbour graph: call neighbors first"
 
 
 def test_untyped_tool_is_refused_at_registration():
+    @tool("qc")
     def bad(session, x):  # no type hint: the model could not be told what x is
         return {}
 
@@ -119,3 +130,52 @@ def test_no_tool_runs_model_written_code():
                     if n.split(".")[0] in forbidden_modules
                 ]
     assert not found, found
+
+
+def test_a_function_without_tool_metadata_is_refused():
+    def bare(session: dict) -> dict:
+        """No @tool."""
+        return {}
+
+    with pytest.raises(TypeError, match=r"bare: declare it with @tool"):
+        ToolRegistry([bare])
+
+
+def test_every_agent_tool_declares_its_metadata():
+    """Kind, prerequisites, cost and whether it changes the data: declared once, next to the
+    tool; every prerequisite is itself a tool, for every kind of plot."""
+    from typing import get_args
+
+    from agent.registry import Kind, ToolSpec
+    from agent.tools import TOOLS, build_registry
+
+    registry = build_registry()
+    specs = registry.specs()
+    assert list(specs) == [fn.__name__ for fn in TOOLS]
+    kinds = set(get_args(Kind))
+    plot_kinds = get_args(registry._tools["plot"].model.model_fields["kind"].annotation)
+    for name, spec in specs.items():
+        assert isinstance(spec, ToolSpec) and spec.kind in kinds, name
+        for params in [{}] + [{"kind": k} for k in plot_kinds]:
+            assert set(spec.needs_for(params)) <= set(specs), (name, params)
+    assert {n for n, s in specs.items() if not s.mutates} == {"plot", "save", "finish"}
+
+
+def test_prerequisites_are_checked_and_success_is_marked_whoever_calls():
+    @tool("embed", needs=("pca",))
+    def neighbors(session: dict) -> dict:
+        """Needs pca."""
+        return {}
+
+    class Session(Toy):
+        def require(self, tool: str, *steps: str) -> None:
+            missing = [s for s in steps if s not in self.done]
+            if missing:
+                raise ToolError(f"{tool} needs {missing[0]} first")
+
+    session = Session()
+    with pytest.raises(ToolError, match="neighbors needs pca first"):
+        neighbors(session)  # called directly, not through the registry
+    session.done.add("pca")
+    neighbors(session)
+    assert session.done == {"pca", "neighbors"}

@@ -109,8 +109,9 @@ def test_bad_world_state_and_workdir_are_refused(demo_run, tmp_path, capsys):
 
 def entry(step: int, result: dict, digest: str = "d1", checkpoint: str | None = None) -> Entry:
     return Entry(
-        step, "pca", {"n_comps": 30}, "ok", result, None, 0.1, "d0", digest, None, checkpoint
-    )
+        tool="pca", params={"n_comps": 30}, status="ok", result=result, error=None, seconds=0.1,
+        step=step, digest_before="d0", digest_after=digest, checkpoint=checkpoint,
+    )  # fmt: skip
 
 
 def compare(recorded: Entry, replayed: Entry, tmp_path: Path) -> StepComparison:
@@ -175,7 +176,10 @@ def test_digest_change_is_settled_by_checkpoints(tmp_path):
 def test_replay_that_stops_early_or_errors_diverges(tmp_path):
     old = entry(4, {"n": 1})
     assert compare_step(old, None, Tolerance(), (tmp_path, tmp_path), ("", "")).kind == "diverged"
-    failed = Entry(4, "pca", {"n_comps": 30}, "error", None, "boom", 0.1, "d0", "d0")
+    failed = Entry(
+        tool="pca", params={"n_comps": 30}, status="error", result=None, error="boom",
+        seconds=0.1, step=4, digest_before="d0", digest_after="d0",
+    )  # fmt: skip
     cmp = compare(old, failed, tmp_path)
     assert cmp.kind == "diverged" and cmp.differences[0].note == "boom"
 

@@ -3,7 +3,6 @@ a missing and an unreadable world state: table, flags, page, RO-Crate, and the p
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import io
@@ -53,16 +52,14 @@ def _variant(demo_ws: Path, folder: Path, name: str, max_pct_mt: float) -> Path:
 
 def _failed_run(root: Path) -> Path:
     """A real run on a corrupt input: the analysis cannot load it and ends without finish."""
-    from agent.runner import add_arguments, run_sample
+    from agent.config import RunConfig
+    from agent.runner import run_sample
 
     bad = root / "data" / "broken.h5ad"
     bad.parent.mkdir(parents=True)
     bad.write_bytes(b"not an h5ad file")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
     outdir = root / "samples" / "broken"
-    args = parser.parse_args(["--input", str(bad), "--outdir", str(outdir), "--sample", "broken"])
-    assert run_sample(args) != "finished"
+    assert run_sample(RunConfig(input=bad, outdir=outdir, sample="broken")) != "finished"
     return outdir / "world_state.json"
 
 

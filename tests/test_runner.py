@@ -13,7 +13,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from agent import layout as layout_names
+from agent.config import RunConfig
 from agent.context import TokenCounter
+from agent.layout import SampleLayout
+from agent.replay import replay
+from agent.runner import run_sample
 from agent.tools import build_registry
 from agent.tools.session import DIGEST_VERSION
 from agent.world_state import WorldState
@@ -69,7 +74,7 @@ def facts(world: WorldState) -> list[tuple]:
 
 def steps_done(outdir: Path) -> int:
     try:  # the copy beside the checkpoints: written atomically, so always whole
-        return len(json.loads((outdir / "checkpoints/world_state.json").read_bytes())["entries"])
+        return len(json.loads(SampleLayout(outdir).record_copy.read_bytes())["entries"])
     except (OSError, ValueError):
         return 0
 
@@ -93,3 +98,38 @@ def test_killed_run_resumes_to_the_same_result(demo_run, tmp_path):
     original = WorldState.load(demo_run.world_state)
     assert resumed.meta["status"] == "finished" and resumed.meta["resumed"]
     assert facts(resumed) == facts(original)
+
+
+def test_every_run_option_is_a_config_field_and_back():
+    """The command line is built from RunConfig: same names, defaults and help."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    RunConfig.add_arguments(parser)
+    args = parser.parse_args(["--input", "x.h5ad", "--outdir", "out", "--seed", "3", "--fresh"])
+    config = RunConfig.from_args(args)
+    assert config == RunConfig(input="x.h5ad", outdir="out", seed=3, fresh=True)
+    dests = {a.dest for a in parser._actions} - {"help"}
+    assert dests == set(RunConfig.model_fields)
+    assert all(a.help for a in parser._actions)
+    with pytest.raises(ValueError, match="policy llm needs --endpoint-file"):
+        RunConfig(input="x.h5ad", outdir="out", policy="llm")
+
+
+def test_renaming_a_sample_file_is_one_line_in_the_layout(small_input, tmp_path, monkeypatch):
+    """Every reader and writer of a sample's folder takes its names from agent.layout: rename the
+    record, metrics and checkpoint folder there, and a run and its replay use the new names."""
+    monkeypatch.setattr(layout_names, "RECORD", "provenance.json")
+    monkeypatch.setattr(layout_names, "METRICS", "steps.jsonl")
+    monkeypatch.setattr(layout_names, "CHECKPOINTS", "ckpt")
+    outdir = tmp_path / "renamed"
+    status = run_sample(RunConfig(input=small_input, outdir=outdir, sample="s", max_steps=4))
+    assert status == "step_limit"
+    names = sorted(p.relative_to(outdir).as_posix() for p in outdir.rglob("*"))
+    assert "provenance.json" in names and "ckpt/provenance.json" in names
+    assert "steps.jsonl" in names and "ckpt/steps.jsonl" in names
+    assert any(n.startswith("ckpt/step_") for n in names)
+    assert not any("world_state" in n or "metrics" in n or "checkpoints" in n for n in names)
+    world = WorldState.load(outdir / "provenance.json")
+    assert [e.tool for e in world.entries][:1] == ["load_data"] and len(world.entries) == 4
+    assert replay(outdir / "provenance.json")["verdict"] == "reproduced"

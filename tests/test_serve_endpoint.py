@@ -9,14 +9,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from agent.serve.endpoint import (
+from agent.durable import write_private
+from agent.endpoint import (
     EndpointError,
     read_api_key,
     read_endpoint,
     root_url,
     wait_until_ready,
+    write_endpoint,
 )
-from agent.serve.launch import write_private
 
 
 class _FakeVLLM(BaseHTTPRequestHandler):
@@ -125,3 +126,21 @@ def test_bad_endpoint_files_name_the_field(tmp_path):
 def test_root_url():
     assert root_url("http://h:8000/v1/") == "http://h:8000"
     assert root_url("http://h:8000") == "http://h:8000"
+
+
+def test_what_the_launcher_writes_the_agents_read(tmp_path):
+    """One owner of the format: write_endpoint's file reads back through read_endpoint, with the
+    key from its 0600 file and never in the endpoint file itself."""
+    key_file = tmp_path / "server.key"
+    write_private(key_file, "s3cret\n")
+    path = tmp_path / "server.json"
+    flags = [{"layer": "prefix caching", "flag": "--enable-prefix-caching"}]
+    write_endpoint(
+        path, url="http://node1:8000/v1", model="m1", api_key_file=key_file,
+        max_model_len=4096, flags=flags, vllm_version="0.32.0",
+    )  # fmt: skip
+    ep = read_endpoint(path)
+    assert (ep.url, ep.model, ep.api_key, ep.max_model_len, ep.flags) == (
+        "http://node1:8000/v1", "m1", "s3cret", 4096, flags,
+    )  # fmt: skip
+    assert ep.info["vllm_version"] == "0.32.0" and "s3cret" not in path.read_text()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.serve.endpoint import http_json, root_url, wait_until_ready
+from agent.endpoint import http_json, root_url, wait_until_ready
+from agent.testing.local_server import launcher_stderr, stop_launcher
 from tests.fixtures_vllm import (
     MAX_MODEL_LEN,
     group_alive,
@@ -18,7 +19,6 @@ from tests.fixtures_vllm import (
     server_pid,
     vllm_skip_reason,
 )
-from tests.local_server import launcher_stderr, stop_launcher
 
 pytestmark = [
     pytest.mark.vllm,

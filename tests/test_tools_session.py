@@ -6,8 +6,12 @@ import json
 
 import pytest
 
+from agent.durable import atomic_write_h5ad
 from agent.registry import ToolError
-from agent.tools.session import Session, digest_adata, write_h5ad_atomic
+from agent.tools import build_registry
+from agent.tools.session import Session, digest_adata
+
+SPECS = build_registry().specs()
 
 
 def test_path_inside_and_readable_path(tmp_path, small_input):
@@ -38,7 +42,7 @@ def test_readable_path_inside_a_10x_folder(tmp_path, demo_inputs):
 def test_checkpoints_after_expensive_steps_and_every_few_steps(session_at):
     session = session_at("filter_genes")
     session.checkpoint_every = 3
-    written = {step: session.after_step(step, tool) for step, tool in [
+    written = {step: session.after_step(step, tool, SPECS[tool]) for step, tool in [
         (1, "filter_cells"), (2, "plot"), (3, "qc_metrics"), (4, "filter_by_qc"),
         (5, "pca"), (6, "plot"), (7, "save"), (8, "normalize"),
     ]}  # fmt: skip
@@ -61,10 +65,10 @@ def test_checkpoints_after_expensive_steps_and_every_few_steps(session_at):
 def test_restore_loads_the_newest_checkpoint_at_or_before_a_step(session_at, small_input, tmp_path):
     session = session_at("normalize")
     first = session.digest()
-    session.after_step(9, "load_data")
+    session.after_step(9, "load_data", SPECS["load_data"])
     call_done = set(session.done)
     session.adata = session.adata[:100].copy()
-    session.after_step(12, "pca")
+    session.after_step(12, "pca", SPECS["pca"])
     resumed = Session(session.outdir, input_path=small_input)
     assert resumed.restore(8) == (None, [])
     assert resumed.restore(11) == (9, [])
@@ -100,7 +104,7 @@ def test_digest_survives_an_h5ad_round_trip(session_at, stage, tmp_path):
 
     session = session_at(stage)
     path = tmp_path / "x.h5ad"
-    write_h5ad_atomic(session.adata, path)
+    atomic_write_h5ad(session.adata, path)
     assert digest_adata(ad.read_h5ad(path)) == session.digest()
 
 

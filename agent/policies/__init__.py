@@ -1,1 +1,60 @@
 """Deciders of the next tool call: one loop, three policies (LLM, reference recipe, replay)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.config import RunConfig
+from agent.policies.base import Policy
+from agent.registry import ToolRegistry
+
+
+@dataclass
+class PolicySetup:
+    """A ready policy and what the run's record should say about it."""
+
+    policy: Policy
+    context_limit: int | None = None  # the server's max_model_len, when it tells one
+    tokenizer: str | None = None  # where the model's tokenizer lies, when on this file system
+    meta: dict[str, Any] = field(default_factory=dict)  # model, server flags
+
+
+def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
+    """The policy ``config`` asks for, over the run's tools; an LLM policy once its server
+    answers."""
+    if config.policy == "reference":
+        from agent.policies.reference import ReferencePolicy
+
+        return PolicySetup(ReferencePolicy(registry))
+    if config.policy == "replay":
+        from agent.policies.replay import ReplayPolicy
+        from agent.world_state import WorldState
+
+        return PolicySetup(ReplayPolicy(WorldState.load(config.world_state)))
+    from agent.endpoint import read_endpoint, wait_until_ready
+    from agent.policies.llm import LLMPolicy
+
+    meta: dict[str, Any] = {}
+    if config.endpoint_file:
+        ep = read_endpoint(config.endpoint_file)
+        url, model, key = ep.url, ep.model, ep.api_key
+        meta["server_flags"] = ep.flags
+        tokenizer = config.tokenizer or ep.info.get("model_path")
+    else:
+        url, model, tokenizer = config.base_url, config.model, config.tokenizer
+        key = config.api_key_file.read_text().strip() if config.api_key_file else "EMPTY"
+    meta["model"] = model
+    wait_until_ready(url, api_key=key, model=model, timeout_s=config.server_wait)
+    policy = LLMPolicy(
+        url,
+        model,
+        api_key=key,
+        timeout=config.request_timeout,
+        max_retries=config.request_retries,
+        seed=config.seed,
+        max_tokens=config.max_tokens,
+        outage_wait=config.outage_wait,
+        endpoint_file=config.endpoint_file,
+    )
+    return PolicySetup(policy, policy.context_limit(), tokenizer, meta)

@@ -29,6 +29,9 @@ class Decision:
     text: str | None = None
     usage: Usage | None = None
     finish_reason: str | None = None
+    # Waits for the decider (e.g. a server that died and came back), for the record's meta: the
+    # loop writes them; a policy never edits the record itself.
+    outages: list[dict[str, Any]] = field(default_factory=list)
 
 
 class PromptTooLong(Exception):
@@ -37,6 +40,14 @@ class PromptTooLong(Exception):
     def __init__(self, message: str, prompt_tokens: int | None = None):
         super().__init__(message)
         self.prompt_tokens = prompt_tokens
+
+
+class PolicyUnavailable(Exception):
+    """The decider stayed unreachable past its wait; ``outages`` as in ``Decision.outages``."""
+
+    def __init__(self, message: str, outages: list[dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.outages = outages or []
 
 
 class Policy(Protocol):

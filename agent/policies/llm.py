@@ -10,15 +10,15 @@ from typing import Any, TextIO
 
 import openai
 
-from agent.policies.base import Decision, PromptTooLong, ToolCall, Usage
-from agent.serve.endpoint import EndpointError, read_endpoint
+from agent.endpoint import EndpointError, read_endpoint
+from agent.policies.base import Decision, PolicyUnavailable, PromptTooLong, ToolCall, Usage
 from agent.world_state import WorldState
 
 _TOO_LONG = re.compile(r"maximum context length|context length|too long", re.I)
 _TOKENS = re.compile(r"(\d+) (?:input )?tokens", re.I)
 
 
-class ServerUnavailable(Exception):
+class ServerUnavailable(PolicyUnavailable):
     """The server stayed down or stalled past the configured wait."""
 
 
@@ -85,10 +85,11 @@ class LLMPolicy:
         ):
             self.client = self.client.with_options(base_url=ep.url, api_key=ep.api_key or "EMPTY")
 
-    def _wait_for_server(self, error: Exception, world: WorldState) -> None:
+    def _wait_for_server(self, error: Exception, world: WorldState) -> dict[str, Any]:
         """After the client's own retries failed: poll the server with bounded backoff until it
         answers again, or give up with a clear error once `outage_wait` seconds have passed.
-        The wait is recorded in the run's metadata (``outages``)."""
+        Returns the outage (step, error, seconds waited) for the record; ServerUnavailable
+        carries it when the server did not come back."""
         start = time.monotonic()
         deadline, delay = start + self.outage_wait, 1.0
         print(
@@ -98,7 +99,6 @@ class LLMPolicy:
             flush=True,
         )
         outage = {"step": world.next_step, "error": f"{type(error).__name__}: {error}"[:300]}
-        world.meta.setdefault("outages", []).append(outage)
         while time.monotonic() < deadline:
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 15.0)
@@ -113,11 +113,12 @@ class LLMPolicy:
                 file=self.log,
                 flush=True,
             )
-            return
+            return outage
         outage["waited_s"] = round(time.monotonic() - start, 1)
         raise ServerUnavailable(
             f"server {self.client.base_url} did not come back within {self.outage_wait:.0f} s "
-            f"(last error: {type(error).__name__}: {error}); the run can resume from its world state"
+            f"(last error: {type(error).__name__}: {error}); the run can resume from its world state",
+            [outage],
         ) from error
 
     def _complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Any:
@@ -138,11 +139,20 @@ class LLMPolicy:
     def decide(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], world: WorldState
     ) -> Decision:
+        outages = []
         try:
             resp = self._complete(messages, tools)
         except (openai.APIConnectionError, openai.InternalServerError) as e:
-            self._wait_for_server(e, world)  # a dead or stalled server: wait, then one more try
-            resp = self._complete(messages, tools)
+            # a dead or stalled server: wait, then one more try
+            outages.append(self._wait_for_server(e, world))
+            try:
+                resp = self._complete(messages, tools)
+            except (openai.APIConnectionError, openai.InternalServerError) as again:
+                raise ServerUnavailable(
+                    f"server {self.client.base_url} answered its health check but failed the "
+                    f"request again ({type(again).__name__}: {again}); the run can resume",
+                    outages,
+                ) from again
         choice = resp.choices[0]
         calls = [
             ToolCall(
@@ -157,4 +167,4 @@ class LLMPolicy:
             if u
             else None
         )
-        return Decision(calls, choice.message.content, usage, choice.finish_reason)
+        return Decision(calls, choice.message.content, usage, choice.finish_reason, outages)

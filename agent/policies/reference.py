@@ -30,7 +30,8 @@ class Step:
     args: ArgsFn
     fallbacks: tuple[ArgsFn, ...] = ()
     required: bool = False
-    after: tuple[str, ...] = ()  # tools that must have succeeded, else the step is skipped
+    # tools that must have succeeded, else the step is skipped, besides the tool's own needs
+    after: tuple[str, ...] = ()
     kind: str | None = None  # plots: one step per kind (and colour) of figure
     color: str | None = None
 
@@ -121,10 +122,10 @@ RECIPE: tuple[Step, ...] = (
     Step("filter_cells", _min_genes),
     Step("filter_genes", _const({"min_cells": 3})),
     Step("qc_metrics", _const({})),
-    Step("filter_by_qc", _qc_thresholds, fallbacks=(_const({"max_pct_mt": 20.0}),), after=("qc_metrics",)),
-    Step("plot", _const({"kind": "qc_violin"}), after=("qc_metrics",), kind="qc_violin"),
+    Step("filter_by_qc", _qc_thresholds, fallbacks=(_const({"max_pct_mt": 20.0}),)),
+    Step("plot", _const({"kind": "qc_violin"}), kind="qc_violin"),
     Step("detect_doublets", _doublet_rate, fallbacks=(_const({"threshold": 0.25}),)),
-    Step("remove_doublets", _const({}), after=("detect_doublets",)),
+    Step("remove_doublets", _const({})),
     Step("normalize", _const({}), required=True),
     Step("highly_variable_genes", _hvg("seurat_v3"), fallbacks=(_hvg("seurat"),)),
     Step("scale", _const({"max_value": 10.0})),
@@ -136,8 +137,8 @@ RECIPE: tuple[Step, ...] = (
     Step("rank_genes_groups", _const({"groupby": "leiden", "method": "wilcoxon"}),
          fallbacks=(_const({"groupby": "leiden", "method": "t-test"}),)),
     Step("annotate_clusters", _const({"groupby": "leiden"})),
-    Step("plot", _const({"kind": "umap", "color": "leiden"}), after=("umap",), kind="umap", color="leiden"),
-    Step("plot", _const({"kind": "umap", "color": "cell_type"}), after=("umap", "annotate_clusters"),
+    Step("plot", _const({"kind": "umap", "color": "leiden"}), kind="umap", color="leiden"),
+    Step("plot", _const({"kind": "umap", "color": "cell_type"}), after=("annotate_clusters",),
          kind="umap", color="cell_type"),
     Step("plot", _const({"kind": "dotplot", "groupby": "leiden"}), after=("annotate_clusters",), kind="dotplot"),
     Step("finish", _conclusion, fallbacks=(_const({}),), required=True),
@@ -146,26 +147,15 @@ RECIPE: tuple[Step, ...] = (
 
 def _params(entry: Any) -> Args:
     """An entry's parameters; for a call that failed validation, the arguments as sent."""
-    params = entry.params or {}
-    if "_raw" not in params:
-        return params
-    raw = params["_raw"]
+    raw = entry.rejected_arguments
+    if raw is None:
+        return entry.params or {}
     if isinstance(raw, str | bytes):
         try:
             raw = orjson.loads(raw or "{}")
         except orjson.JSONDecodeError:
             return {}
     return raw if isinstance(raw, dict) else {}
-
-
-def _defaults(tools: list[dict[str, Any]]) -> dict[str, Args]:
-    """Each tool's parameter defaults, from the schemas the loop passes to decide()."""
-    out = {}
-    for schema in tools:
-        fn = schema.get("function", {})
-        props = fn.get("parameters", {}).get("properties", {})
-        out[fn.get("name")] = {k: v["default"] for k, v in props.items() if "default" in v}
-    return out
 
 
 def _same(args: Args, params: Args, defaults: Args) -> bool:
@@ -176,8 +166,15 @@ def _same(args: Args, params: Args, defaults: Args) -> bool:
 class ReferencePolicy:
     """Follows RECIPE; see the module docstring."""
 
-    def __init__(self, recipe: tuple[Step, ...] = RECIPE):
-        self.recipe = recipe
+    def __init__(self, registry: Any = None, recipe: tuple[Step, ...] = RECIPE):
+        """``registry``: the run's ToolRegistry (default: the agent's tools). Its defaults make a
+        recorded call with defaults filled in count as the call that was asked for; its tool
+        metadata says which steps must have succeeded before a recipe step applies."""
+        if registry is None:
+            from agent.tools import build_registry
+
+            registry = build_registry()
+        self.registry, self.defaults, self.recipe = registry, registry.defaults(), recipe
 
     def decide(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], world: Any
@@ -185,7 +182,7 @@ class ReferencePolicy:
         entries = list(world.entries)
         step_no = entries[-1].step + 1 if entries else 1
         ok_tools = {e.tool for e in entries if e.status == "ok"}
-        defaults = _defaults(tools)
+        defaults = self.defaults
 
         def facts(tool: str) -> dict[str, Any]:
             for e in reversed(entries):
@@ -206,7 +203,8 @@ class ReferencePolicy:
             attempts = [e for e in entries if step.matches(e.tool, _params(e))]
             if any(e.status == "ok" for e in attempts):
                 continue
-            if not set(step.after) <= ok_tools:
+            needs = self.registry.spec(step.tool).needs_for(step.args(facts) or {})
+            if not {*needs, *step.after} <= ok_tools:
                 continue
             tried = [_params(e) for e in attempts]
             for variant in (step.args, *step.fallbacks):  # the first not tried yet

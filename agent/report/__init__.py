@@ -15,13 +15,14 @@ from pathlib import Path
 
 import orjson
 
+from agent.durable import atomic_write
+from agent.layout import RECORD, REPLAY
 from agent.report.collect import Sample, load_sample
 from agent.report.drift import FLOOR, THRESHOLD, Flag
-from agent.world_state import atomic_write
 
 
 def match_replays(world_states: list[Path], replays: list[Path]) -> dict[Path, Path]:
-    """world state -> its replay.json: the one in the same folder, else the one naming it."""
+    """world state -> its replay: the one in the same folder, else the one naming it."""
     by_folder = {p.parent.resolve(): p for p in replays}
     by_source: dict[Path, Path] = {}
     for p in replays:
@@ -93,11 +94,11 @@ def build_report(
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--world-states", nargs="+", required=True, type=Path, metavar="FILE",
-        help="the samples' world_state.json files (missing ones are reported as failed)",
+        help=f"the samples' {RECORD} files (missing ones are reported as failed)",
     )  # fmt: skip
     p.add_argument(
         "--replays", nargs="*", default=[], type=Path, metavar="FILE",
-        help="replay.json files (default: replay.json beside each world state, where present)",
+        help=f"{REPLAY} files (default: {REPLAY} beside each world state, where present)",
     )  # fmt: skip
     p.add_argument(
         "--truth-dir", type=Path,

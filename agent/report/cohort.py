@@ -8,10 +8,12 @@ import orjson
 import pandas as pd
 
 from agent.report.collect import Sample, seconds_between
+from agent.tools import tool_specs
 
-# Tools whose parameters are bookkeeping (file names, prose), not analysis choices.
-NOT_CHOICES = frozenset({"plot", "save", "finish"})
-CELL_FILTERS = ("filter_cells", "filter_by_qc")
+# Tools that leave the data as they were: their parameters are bookkeeping (file names, prose),
+# not analysis choices.
+NOT_CHOICES = frozenset(name for name, spec in tool_specs().items() if not spec.mutates)
+CELL_FILTERS = tuple(name for name, spec in tool_specs().items() if spec.kind == "cell_filter")
 OUTCOME_COLUMNS = (
     "sample", "status", "error", "drift", "outliers", "input", "input_sha256", "policy", "model",
     "server_flags", "seed", "steps", "errors", "iterations", "seconds", "decide_seconds",

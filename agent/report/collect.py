@@ -1,8 +1,9 @@
 """Everything the report knows about one sample, read from its folder; never raises for a sample.
 
-A sample's folder holds world_state.json, metrics.jsonl, adata.h5ad, plots/*.png and, after the
-replay rule, replay.json. Whatever is missing or unreadable becomes a problem noted on the
-sample (shown as failed in the report), never an exception that would lose the other samples.
+A sample's folder (its paths: agent.layout.SampleLayout) holds world_state.json, metrics.jsonl,
+adata.h5ad, plots/*.png and, after the replay rule, replay.json. Whatever is missing or
+unreadable becomes a problem noted on the sample (shown as failed in the report), never an
+exception that would lose the other samples.
 """
 
 from __future__ import annotations
@@ -15,14 +16,11 @@ from typing import Any
 import orjson
 import pandas as pd
 
+from agent.layout import SampleLayout
 from agent.report.truth import read_truth, score
 from agent.world_state import Entry, WorldState
 
-FINAL_FILE = "adata.h5ad"
-METRICS_FILE = "metrics.jsonl"
-REPLAY_FILE = "replay.json"
 TRUTH_FILE = "truth.tsv"
-PLOTS_DIR = "plots"
 CLUSTER_KEY = "leiden"
 
 
@@ -142,16 +140,17 @@ def load_sample(
             sample.problems.append(f"{what}: {type(e).__name__}: {e}")
             return None
 
-    if (folder / METRICS_FILE).is_file():
-        sample.metrics = attempt(METRICS_FILE, lambda: read_metrics(folder / METRICS_FILE)) or []
-    replay_path = replay_path or folder / REPLAY_FILE
+    layout = SampleLayout(folder)
+    if layout.metrics.is_file():
+        sample.metrics = attempt(str(layout.metrics), lambda: read_metrics(layout.metrics)) or []
+    replay_path = replay_path or layout.replay
     if replay_path.is_file():
         sample.replay_path = replay_path
         sample.replay = attempt(str(replay_path), lambda: read_replay(replay_path))
-    if (folder / FINAL_FILE).is_file():
-        sample.final = folder / FINAL_FILE
-        sample.final_obs = attempt(str(sample.final), lambda: read_obs(folder / FINAL_FILE))
-    if (folder / PLOTS_DIR).is_dir():
+    if layout.final.is_file():
+        sample.final = layout.final
+        sample.final_obs = attempt(str(sample.final), lambda: read_obs(layout.final))
+    if layout.plots.is_dir():
         sample.plots = plots_in_order(sample)
     sample.truth_path = find_truth(sample.name, sample.meta.get("input"), truth_dir)
     if sample.truth_path and sample.final_obs is not None:
@@ -170,7 +169,7 @@ def plots_in_order(sample: Sample) -> list[Path]:
         for e in sample.entries
         if e.tool == "plot" and e.status == "ok" and (e.result or {}).get("path")
     ]
-    found = sorted((sample.folder / PLOTS_DIR).glob("*.png"))
+    found = sorted(SampleLayout(sample.folder).plots.glob("*.png"))
     ordered = [p for p in dict.fromkeys(drawn) if p in found]
     return ordered + [p for p in found if p not in ordered]
 

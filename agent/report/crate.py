@@ -21,8 +21,9 @@ from rocrate.model.contextentity import ContextEntity
 from rocrate.model.softwareapplication import SoftwareApplication
 from rocrate.rocrate import ROCrate
 
-from agent.report.collect import METRICS_FILE, Sample
-from agent.runner import versions
+from agent.layout import SampleLayout
+from agent.provenance import versions
+from agent.report.collect import Sample
 
 PROFILES = {
     "https://w3id.org/ro/wfrun/process/0.5": "Process Run Crate",
@@ -100,7 +101,10 @@ def _sample_actions(
     crate: ROCrate, sample: Sample, agent_for: Any
 ) -> tuple[list[ContextEntity], list[Any], list[Any]]:
     """Analysis and replay actions of one sample; (actions, inputs, outputs)."""
-    meta, base = sample.meta, f"samples/{re.sub(r'[^A-Za-z0-9._-]+', '_', sample.name)}"
+    meta = sample.meta
+    # the crate's copy of the sample folder, under the same names
+    base = SampleLayout(f"samples/{re.sub(r'[^A-Za-z0-9._-]+', '_', sample.name)}")
+    metrics = SampleLayout(sample.folder).metrics
     inputs: list[Any] = []
     if meta.get("input"):
         path = Path(meta["input"])
@@ -115,13 +119,13 @@ def _sample_actions(
         outputs.append(
             crate.add_file(
                 sample.world_state,
-                f"{base}/world_state.json",
+                str(base.record),
                 properties={"name": f"world state of {sample.name}",
                             "encodingFormat": "application/json"},
             )
         )  # fmt: skip
-    if (sample.folder / METRICS_FILE).is_file():
-        outputs.append(crate.add_file(sample.folder / METRICS_FILE, f"{base}/{METRICS_FILE}"))
+    if metrics.is_file():
+        outputs.append(crate.add_file(metrics, str(base.metrics)))
     if sample.final is not None:
         outputs.append(
             crate.add_file(
@@ -147,7 +151,7 @@ def _sample_actions(
     )
     actions = [analysis]
     if sample.replay is not None and sample.replay_path is not None:
-        replay_file = crate.add_file(sample.replay_path, f"{base}/replay.json")
+        replay_file = crate.add_file(sample.replay_path, str(base.replay))
         actions.append(
             crate.add_action(
                 instrument,

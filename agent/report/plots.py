@@ -16,9 +16,13 @@ import pandas as pd
 
 from agent.report.collect import Sample
 from agent.report.drift import Flag, numeric
+from agent.tools import tool_specs
 
 KEPT, REMOVED, FAILED, FLAGGED, MEDIAN = "#2b6cb0", "#cbd5e0", "#c53030", "#dd6b20", "#718096"
-QC_TOOLS = ("filter_cells", "filter_genes", "filter_by_qc")
+# the filters' thresholds: QC parameters in the cohort figures
+QC_TOOLS = tuple(
+    name for name, spec in tool_specs().items() if spec.kind in ("cell_filter", "gene_filter")
+)
 plt.rcParams.update(
     {
         "font.size": 9,

@@ -1,1 +1,1 @@
-"""vLLM serving: GPU description, model shape, KV planning, flag selection, launch and endpoints."""
+"""vLLM serving: GPU description, model shape, KV planning, flag selection and launch."""

@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent.durable import write_private
+from agent.endpoint import http_json, probe, write_endpoint
 from agent.serve import gpu as gpus
-from agent.serve.endpoint import http_json, probe
 from agent.serve.flags import Flag, FlagPlan, select_flags
 from agent.serve.model_config import ModelConfigError, load_model_config
 
@@ -142,23 +143,6 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to a file only its owner can read (mode 0600, also when it existed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
-def write_atomically(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -358,31 +342,29 @@ def serve(args: argparse.Namespace, plan: FlagPlan) -> int:
             server.stop()
             raise LaunchError(f"{exc}; last lines of {log_path}:\n{log_tail(log_path)}") from None
         timings["start_to_ready_s"] = round((dt.datetime.now(dt.UTC) - started).total_seconds(), 2)
-        write_atomically(
+        write_endpoint(
             endpoint_file,
-            {
-                "url": url,
-                "model": name,
-                "model_path": args.model,
-                "api_key_file": str(key_file.resolve()),
-                "max_model_len": plan.plan.max_model_len,
-                "max_num_seqs": plan.plan.max_num_seqs,
-                "flags": [f.to_dict() for f in plan.flags + extra],
-                "argv": argv[1:],
-                "environment": sorted(k for k in plan.environment()),
-                "vllm_version": version,
-                "gpu": plan.gpu.to_dict(),
-                "kv_plan": plan.plan.to_dict(),
-                "timings": timings,
-                "started_at": started.isoformat(),
-                "ready_at": dt.datetime.now(dt.UTC).isoformat(),
-                "pid": server.pid,
-                "launcher_pid": os.getpid(),
-                "host": args.host,
-                "hostname": socket.gethostname(),
-                "port": port,
-                "log": str(log_path.resolve()),
-            },
+            url=url,
+            model=name,
+            api_key_file=key_file,
+            max_model_len=plan.plan.max_model_len,
+            flags=[f.to_dict() for f in plan.flags + extra],
+            model_path=args.model,
+            max_num_seqs=plan.plan.max_num_seqs,
+            argv=argv[1:],
+            environment=sorted(k for k in plan.environment()),
+            vllm_version=version,
+            gpu=plan.gpu.to_dict(),
+            kv_plan=plan.plan.to_dict(),
+            timings=timings,
+            started_at=started.isoformat(),
+            ready_at=dt.datetime.now(dt.UTC).isoformat(),
+            pid=server.pid,
+            launcher_pid=os.getpid(),
+            host=args.host,
+            hostname=socket.gethostname(),
+            port=port,
+            log=str(log_path.resolve()),
         )
         print(
             f"serve: {name} ready at {url} after {timings['start_to_ready_s']:.0f} s"

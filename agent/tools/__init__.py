@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from agent.registry import ToolRegistry
+from agent.registry import ToolRegistry, ToolSpec
 from agent.tools.annotate import annotate_clusters
 from agent.tools.cluster import cluster_sweep, leiden
 from agent.tools.doublets import detect_doublets, remove_doublets
@@ -18,21 +18,7 @@ from agent.tools.preprocess import highly_variable_genes, normalize, regress_out
 from agent.tools.qc import filter_by_qc, filter_cells, filter_genes, qc_metrics
 from agent.tools.session import Session
 
-
-def _records_success(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    """A tool that adds its name to ``session.done`` when it returns, whoever calls it (the loop,
-    a resume re-running recorded steps, a replay, a test), so prerequisites always see the truth."""
-
-    @functools.wraps(fn)
-    def tool(session: Session, **params: Any) -> dict[str, Any]:
-        result = fn(session, **params)
-        session.done.add(fn.__name__)
-        return result
-
-    return tool
-
-
-TOOLS: list[Callable[..., dict[str, Any]]] = [_records_success(fn) for fn in (
+TOOLS: list[Callable[..., dict[str, Any]]] = [
     load_data,
     qc_metrics,
     filter_cells,
@@ -54,11 +40,18 @@ TOOLS: list[Callable[..., dict[str, Any]]] = [_records_success(fn) for fn in (
     plot,
     save,
     finish,
-)]  # fmt: skip
+]  # fmt: skip
 
 
 def build_registry() -> ToolRegistry:
     return ToolRegistry(TOOLS)
 
 
-__all__ = ["TOOLS", "Session", "build_registry"]
+@functools.cache
+def tool_specs() -> dict[str, ToolSpec]:
+    """Each tool's metadata (kind, needs, cost, whether it changes the data) by name, in TOOLS
+    order: for readers of records (the report) that need no registry of their own."""
+    return build_registry().specs()
+
+
+__all__ = ["TOOLS", "Session", "build_registry", "tool_specs"]

@@ -11,7 +11,7 @@ import numpy as np
 import scanpy as sc
 from pydantic import Field
 
-from agent.registry import ToolError
+from agent.registry import ToolError, tool
 from agent.tools.common import Key, Limit, obs_column, sizes
 from agent.tools.session import Session
 
@@ -59,6 +59,7 @@ def _load_marker_sets(
     return _parse_marker_sets(doc, str(path)), str(path)
 
 
+@tool("annotate", needs=("normalize",), expensive=True)
 def annotate_clusters(
     session: Session,
     groupby: Key = "leiden",
@@ -83,7 +84,6 @@ def annotate_clusters(
         min_score: A cluster whose best mean score is not above this is labelled 'Unknown'.
         limit: Clusters listed at most in the result.
     """
-    session.require("annotate_clusters", "normalize")
     adata = session.adata
     clusters = obs_column(
         adata, groupby, "annotate_clusters", "call leiden first (or give another groupby)"

@@ -10,6 +10,7 @@ import scanpy as sc
 from pydantic import Field
 from sklearn.metrics import silhouette_score
 
+from agent.registry import tool
 from agent.tools.common import Key, scanpy_params, sizes
 from agent.tools.session import Session
 
@@ -39,6 +40,7 @@ def _silhouette(coords: np.ndarray, labels: np.ndarray, seed: int) -> float | No
     return round(float(silhouette_score(coords, labels, sample_size=size, random_state=seed)), 4)
 
 
+@tool("cluster", needs=("neighbors",), expensive=True)
 def leiden(
     session: Session,
     resolution: Resolution = 1.0,
@@ -52,7 +54,6 @@ def leiden(
         resolution: Leiden resolution (0 < resolution <= 5).
         key_added: Cell annotation (obs column) to store the cluster labels in.
     """
-    session.require("leiden", "neighbors")
     _leiden(session, resolution, key_added)
     adata = session.adata
     labels = adata.obs[key_added]
@@ -66,6 +67,7 @@ def leiden(
     }
 
 
+@tool("cluster", needs=("neighbors",), expensive=True)
 def cluster_sweep(
     session: Session,
     resolutions: Annotated[tuple[Resolution, ...], Field(min_length=2, max_length=12)] = (
@@ -86,7 +88,6 @@ def cluster_sweep(
     Args:
         resolutions: Leiden resolutions to try (2 to 12 values in (0, 5]).
     """
-    session.require("cluster_sweep", "neighbors")
     adata = session.adata
     coords = _pca_used(adata)
     table = []

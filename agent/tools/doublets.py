@@ -8,7 +8,7 @@ import numpy as np
 import scanpy as sc
 from pydantic import Field
 
-from agent.registry import ToolError
+from agent.registry import ToolError, tool
 from agent.tools.common import obs_column, quantiles, scanpy_params
 from agent.tools.session import Session
 
@@ -16,6 +16,7 @@ from agent.tools.session import Session
 EXACT_KNN_MAX_CELLS = 20000
 
 
+@tool("doublets", expensive=True)
 def detect_doublets(
     session: Session,
     expected_doublet_rate: Annotated[float, Field(gt=0, le=0.5)] = 0.05,
@@ -72,9 +73,9 @@ def detect_doublets(
     }
 
 
+@tool("doublets", needs=("detect_doublets",))
 def remove_doublets(session: Session) -> dict[str, Any]:
     """Remove the cells detect_doublets predicted to be doublets."""
-    session.require("remove_doublets", "detect_doublets")
     adata = session.adata
     predicted = obs_column(
         adata, "predicted_doublet", "remove_doublets", "call detect_doublets first"

@@ -8,7 +8,7 @@ import numpy as np
 import scanpy as sc
 from pydantic import Field
 
-from agent.registry import ToolError
+from agent.registry import ToolError, tool
 from agent.tools.common import scanpy_params
 from agent.tools.session import Session
 
@@ -43,6 +43,7 @@ def elbow(variance_ratio: np.ndarray) -> int:
     return int(np.argmax(chord - y)) + 1
 
 
+@tool("embed", needs=("normalize",), expensive=True)
 def pca(
     session: Session,
     n_comps: Annotated[int, Field(ge=2, le=200)] = 50,
@@ -57,7 +58,6 @@ def pca(
         n_comps: Number of components to compute.
         use_highly_variable: Use only highly variable genes when they are marked and X holds more.
     """
-    session.require("pca", "normalize")
     adata = session.adata
     limit = min(adata.n_obs, adata.n_vars) - 1
     if n_comps > limit:
@@ -82,6 +82,7 @@ def pca(
     }
 
 
+@tool("embed", needs=("pca",), expensive=True)
 def neighbors(
     session: Session,
     n_neighbors: Annotated[int, Field(ge=2, le=200)] = 15,
@@ -95,7 +96,6 @@ def neighbors(
         n_pcs: Principal components to use; leave out for all that pca computed.
         metric: Distance in PCA space.
     """
-    session.require("neighbors", "pca")
     adata = session.adata
     available = adata.obsm["X_pca"].shape[1]
     if n_pcs is not None and n_pcs > available:
@@ -116,6 +116,7 @@ def neighbors(
     }
 
 
+@tool("embed", needs=("neighbors",), expensive=True)
 def umap(
     session: Session,
     min_dist: Annotated[float, Field(ge=0, le=1)] = 0.5,
@@ -127,7 +128,6 @@ def umap(
         min_dist: Minimum distance between embedded points (smaller: tighter clumps).
         spread: Scale of the embedded points.
     """
-    session.require("umap", "neighbors")
     adata = session.adata
     if min_dist > spread:
         raise ToolError(f"min_dist={min_dist} must not exceed spread={spread}")

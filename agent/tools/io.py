@@ -13,10 +13,11 @@ import scanpy as sc
 from pydantic import Field
 from scipy import sparse
 
-from agent.registry import ToolError
+from agent.durable import atomic_write_h5ad
+from agent.registry import ToolError, tool
 from agent.tools.common import per_row, sizes
 from agent.tools.qc import gene_masks
-from agent.tools.session import Session, write_h5ad_atomic
+from agent.tools.session import Session
 
 SYMBOL_COLUMNS = (
     "gene_symbols",
@@ -26,7 +27,6 @@ SYMBOL_COLUMNS = (
     "gene_names",
     "symbol",
 )
-FINAL_FILE = "adata.h5ad"
 
 
 def _read(path: Path) -> tuple[ad.AnnData, str]:
@@ -100,6 +100,7 @@ def _non_count_value(matrix: Any) -> float | None:
     return float(values[np.argmax(bad)]) if bad.any() else None
 
 
+@tool("io", expensive=True)
 def load_data(
     session: Session,
     path: str | None = None,
@@ -223,6 +224,7 @@ def load_data(
     }
 
 
+@tool("io", mutates=False)
 def save(session: Session, path: str = "adata.h5ad") -> dict[str, Any]:
     """Write the current AnnData to an .h5ad file inside the sample's output folder.
 
@@ -233,7 +235,7 @@ def save(session: Session, path: str = "adata.h5ad") -> dict[str, Any]:
         raise ToolError(f"save path {path!r} must end in .h5ad")
     target = session.path_inside(path)
     adata = session.adata
-    write_h5ad_atomic(adata, target)
+    atomic_write_h5ad(adata, target)
     return {
         "path": str(target.relative_to(session.outdir)),
         "n_cells": adata.n_obs,
@@ -242,6 +244,7 @@ def save(session: Session, path: str = "adata.h5ad") -> dict[str, Any]:
     }
 
 
+@tool("finish", mutates=False)
 def finish(
     session: Session,
     conclusion: Annotated[str, Field(max_length=4000)] = "",
@@ -254,10 +257,10 @@ def finish(
         conclusion: A few sentences on what the analysis found, for the record.
     """
     adata = session.adata
-    target = session.path_inside(FINAL_FILE)
-    write_h5ad_atomic(adata, target)
+    target = session.layout.final
+    atomic_write_h5ad(adata, target)
     summary: dict[str, Any] = {
-        "path": FINAL_FILE,
+        "path": str(target.relative_to(session.outdir)),
         "n_cells": adata.n_obs,
         "n_genes": adata.n_vars,
         "steps_done": sorted(session.done),

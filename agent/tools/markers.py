@@ -7,11 +7,12 @@ from typing import Annotated, Any, Literal
 import scanpy as sc
 from pydantic import Field
 
-from agent.registry import ToolError
+from agent.registry import ToolError, tool
 from agent.tools.common import Key, Limit, obs_column, scanpy_params
 from agent.tools.session import Session
 
 
+@tool("markers", needs=("normalize",), expensive=True)
 def rank_genes_groups(
     session: Session,
     groupby: Key = "leiden",
@@ -30,7 +31,6 @@ def rank_genes_groups(
         n_genes: Top markers listed per group.
         limit: Groups listed at most; the rest are counted in left_out.
     """
-    session.require("rank_genes_groups", "normalize")
     adata = session.adata
     groups = obs_column(
         adata, groupby, "rank_genes_groups", "call leiden first (or give another groupby)"

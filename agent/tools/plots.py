@@ -11,11 +11,10 @@ matplotlib.use("Agg")  # batch jobs have no display; set before pyplot loads a b
 import matplotlib.pyplot as plt
 import scanpy as sc
 
-from agent.registry import ToolError
+from agent.registry import ToolError, tool
 from agent.tools.common import Key
 from agent.tools.session import Session
 
-PLOT_DIR = "plots"
 QC_KEYS = ("n_genes_by_counts", "total_counts", "pct_counts_mt")
 GENES_PER_SET = 4
 
@@ -23,18 +22,15 @@ GENES_PER_SET = 4
 def _figure(session: Session, kind: str, color: str | None, groupby: str) -> Any:
     adata = session.adata
     if kind == "qc_violin":
-        session.require("plot qc_violin", "qc_metrics")
         np.random.seed(session.seed)  # the violin's point jitter draws from numpy's global RNG
         sc.pl.violin(adata, list(QC_KEYS), jitter=0.4, multi_panel=True, show=False)
         return plt.gcf()
     if kind == "pca_variance":
-        session.require("plot pca_variance", "pca")
         sc.pl.pca_variance_ratio(
             adata, n_pcs=min(50, adata.obsm["X_pca"].shape[1]), log=True, show=False
         )
         return plt.gcf()
     if kind == "umap":
-        session.require("plot umap", "umap")
         key = color or groupby
         genes = adata.raw.var_names if adata.raw is not None else adata.var_names
         if key not in adata.obs.columns and key not in genes:
@@ -64,6 +60,16 @@ def _figure(session: Session, kind: str, color: str | None, groupby: str) -> Any
     return dot.fig
 
 
+# What each kind of figure needs; a dotplot needs annotate_clusters or rank_genes_groups, which
+# _figure checks (either will do).
+_NEEDS = {"qc_violin": ("qc_metrics",), "pca_variance": ("pca",), "umap": ("umap",)}
+
+
+def _plot_needs(params: dict[str, Any]) -> tuple[str, ...]:
+    return _NEEDS.get(params.get("kind"), ())
+
+
+@tool("plot", needs=_plot_needs, mutates=False)
 def plot(
     session: Session,
     kind: Literal["qc_violin", "umap", "dotplot", "pca_variance"],
@@ -87,8 +93,9 @@ def plot(
     name = filename or (f"{kind}_{color or groupby}.png" if kind == "umap" else f"{kind}.png")
     if not name.endswith(".png"):
         raise ToolError(f"plot filename {name!r} must end in .png")
-    target = session.path_inside(f"{PLOT_DIR}/{name}")
-    if not target.is_relative_to(session.path_inside(PLOT_DIR)):
+    folder = session.layout.plots
+    target = session.path_inside(folder / name)
+    if not target.is_relative_to(folder):
         raise ToolError(f"plot filename {name!r} leaves the plots/ folder")
     target.parent.mkdir(parents=True, exist_ok=True)
     try:

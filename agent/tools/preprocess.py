@@ -10,13 +10,14 @@ import scanpy as sc
 from pydantic import Field
 from scipy import sparse
 
-from agent.registry import ToolError
+from agent.registry import ToolError, tool
 from agent.tools.common import Limit, per_row
 from agent.tools.session import Session
 
 DENSE_LIMIT_BYTES = 4 * 2**30  # scale and regress_out make X dense; refuse beyond this
 
 
+@tool("preprocess")
 def normalize(
     session: Session,
     target_sum: Annotated[float, Field(gt=0)] | None = None,
@@ -51,6 +52,7 @@ def normalize(
     }
 
 
+@tool("preprocess", needs=("normalize",))
 def highly_variable_genes(
     session: Session,
     flavor: Literal["seurat_v3", "seurat", "cell_ranger"] = "seurat_v3",
@@ -70,7 +72,6 @@ def highly_variable_genes(
         subset: Keep only the selected genes in X (all genes stay log-normalised in .raw).
         limit: How many of the top genes to list in the result.
     """
-    session.require("highly_variable_genes", "normalize")
     if "scale" in session.done:
         raise ToolError("highly_variable_genes must come before scale: the data are already scaled")
     adata = session.adata
@@ -122,6 +123,7 @@ def _check_dense_size(tool: str, adata: Any) -> None:
         )
 
 
+@tool("preprocess", needs=("normalize",), expensive=True)
 def regress_out(
     session: Session,
     keys: Annotated[tuple[str, ...], Field(min_length=1, max_length=5)] = (
@@ -136,7 +138,6 @@ def regress_out(
     Args:
         keys: Numeric cell annotations (obs columns) to regress out.
     """
-    session.require("regress_out", "normalize")
     if "scale" in session.done:
         raise ToolError("regress_out must come before scale: the data are already scaled")
     adata = session.adata
@@ -152,6 +153,7 @@ def regress_out(
     return {"keys": list(keys), "n_genes": adata.n_vars, "n_cells": adata.n_obs}
 
 
+@tool("preprocess", needs=("normalize",))
 def scale(
     session: Session,
     max_value: Annotated[float, Field(gt=0)] | None = 10.0,
@@ -165,7 +167,6 @@ def scale(
         max_value: Clip scaled values above this; leave out for no clipping.
         zero_center: Centre each gene on zero (makes X dense).
     """
-    session.require("scale", "normalize")
     if "scale" in session.done:
         raise ToolError("scale was already applied")
     adata = session.adata

@@ -11,7 +11,7 @@ import scanpy as sc
 from pydantic import Field
 from scipy.stats import median_abs_deviation
 
-from agent.registry import ToolError
+from agent.registry import ToolError, tool
 from agent.tools.common import Count, counts_matrix, obs_column, quantiles
 from agent.tools.session import Session
 
@@ -41,6 +41,7 @@ def _mad_bounds(values: np.ndarray, nmads: float) -> tuple[float, float]:
     return median - nmads * mad, median + nmads * mad
 
 
+@tool("qc")
 def qc_metrics(
     session: Session,
     mt_prefix: str = "MT-",
@@ -129,6 +130,7 @@ def _apply_cell_mask(
     }
 
 
+@tool("cell_filter")
 def filter_cells(
     session: Session,
     min_genes: Count | None = None,
@@ -171,6 +173,7 @@ def filter_cells(
     return _apply_cell_mask(session, "filter_cells", keep, removed_by) | {"thresholds": given}
 
 
+@tool("gene_filter")
 def filter_genes(
     session: Session,
     min_cells: Count | None = 3,
@@ -212,6 +215,7 @@ def filter_genes(
     }
 
 
+@tool("cell_filter", needs=("qc_metrics",))
 def filter_by_qc(
     session: Session,
     min_genes: Count | None = None,
@@ -232,7 +236,6 @@ def filter_by_qc(
         max_pct_mt: Keep cells with at most this percent of counts from mitochondrial genes
             (high: damaged cells).
     """
-    session.require("filter_by_qc", "qc_metrics")
     given = {"min_genes": min_genes, "max_genes": max_genes, "min_counts": min_counts,
              "max_counts": max_counts, "max_pct_mt": max_pct_mt}  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}

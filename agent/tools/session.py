@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,17 +13,9 @@ import numpy as np
 import pandas as pd
 from scipy import sparse
 
-from agent.registry import ToolError
-
-CHECKPOINT_DIR = "checkpoints"
-# Steps worth a checkpoint of their own: recomputing them after a crash costs seconds to minutes.
-EXPENSIVE_TOOLS = frozenset(
-    {"load_data", "detect_doublets", "regress_out", "pca", "neighbors", "umap", "cluster_sweep",
-     "leiden", "rank_genes_groups", "annotate_clusters"}
-)  # fmt: skip
-# Steps that leave the AnnData as it was: never a reason to write a checkpoint.
-READ_ONLY_TOOLS = frozenset({"plot", "save", "finish"})
-
+from agent.durable import atomic_write_h5ad, atomic_write_json
+from agent.layout import SampleLayout
+from agent.registry import ToolError, ToolSpec
 
 # What digest_adata hashes, and how. Bump it when that changes: records carry the version, so a
 # replay can tell a changed digest from changed data.
@@ -78,25 +69,14 @@ def digest_adata(adata: Any) -> str:
     return h.hexdigest()
 
 
-def write_h5ad_atomic(adata: Any, path: Path) -> None:
-    """Write an .h5ad so that readers see the old file or the whole new one, never a partial one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        adata.write_h5ad(tmp)  # no compression: checkpoints must be cheap
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 class Session:
     """Holds the AnnData of one sample between tool calls.
 
     Tools write only inside ``outdir``; ``path_inside`` enforces it for any path a tool is given.
     They read only the run's input (``input_path``, a file or a 10x folder) or files in ``outdir``.
     ``done`` holds the names of the tools that have succeeded since the data were loaded (each tool
-    adds itself; see agent.tools). The loop reports each success through ``after_step``, which
-    writes checkpoints.
+    adds itself; see ``agent.registry.tool``). The loop reports each success through
+    ``after_step``, which writes checkpoints.
     """
 
     def __init__(
@@ -109,6 +89,7 @@ class Session:
     ):
         self.outdir = Path(outdir).resolve()
         self.outdir.mkdir(parents=True, exist_ok=True)
+        self.layout = SampleLayout(self.outdir)
         self.seed = seed
         self.input_path = Path(input_path).resolve() if input_path else None
         self.checkpoint_every = checkpoint_every
@@ -181,26 +162,23 @@ class Session:
         self._adata = adata
         self.done.clear()
 
-    def after_step(self, step: int, tool: str) -> str | None:
-        """Record a successful tool; write checkpoints/step_NNNN.h5ad when one is due.
+    def after_step(self, step: int, tool: str, spec: ToolSpec) -> str | None:
+        """Record a successful tool; write a checkpoint of the data when one is due.
 
         One is due after an expensive step, or when ``checkpoint_every`` steps have passed since
-        the last one, so a crash costs at most a few cheap steps; never after a read-only step.
-        Returns the checkpoint's path, or None when none was written.
+        the last one, so a crash costs at most a few cheap steps; never after a step that leaves
+        the data as they were. Returns the checkpoint's path, or None when none was written.
         """
         self.done.add(tool)
-        if self._adata is None or tool in READ_ONLY_TOOLS:
+        if self._adata is None or not spec.mutates:
             return None
-        if tool not in EXPENSIVE_TOOLS and step - self._checkpoint_step < self.checkpoint_every:
+        if not spec.expensive and step - self._checkpoint_step < self.checkpoint_every:
             return None
-        folder = self.path_inside(CHECKPOINT_DIR)
-        path = folder / f"step_{step:04d}.h5ad"
-        write_h5ad_atomic(self._adata, path)
+        path = self.layout.checkpoint(step)
+        atomic_write_h5ad(self._adata, path)
         # the sidecar is written last: a checkpoint without one is incomplete and never restored
         sidecar = {"step": step, "tool": tool, "done": sorted(self.done), "seed": self.seed}
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(sidecar))
-        os.replace(tmp, path.with_suffix(".json"))
+        atomic_write_json(path.with_suffix(".json"), sidecar)
         self._checkpoint_step = step
         for old, _ in self._checkpoints()[: -self.keep_checkpoints]:
             old.unlink(missing_ok=True)
@@ -209,11 +187,11 @@ class Session:
 
     def _checkpoints(self) -> list[tuple[Path, int]]:
         """Complete checkpoints (data and sidecar), oldest first."""
-        folder = self.outdir / CHECKPOINT_DIR
         found = []
-        for path in folder.glob("step_*.h5ad"):
-            if path.with_suffix(".json").is_file() and path.stem[5:].isdigit():
-                found.append((path, int(path.stem[5:])))
+        for path in self.layout.checkpoints.glob("step_*.h5ad"):
+            step = SampleLayout.checkpoint_step(path)
+            if step is not None and path.with_suffix(".json").is_file():
+                found.append((path, step))
         return sorted(found, key=lambda item: item[1])
 
     def restore(

@@ -1,8 +1,8 @@
 # One agent job per sample: the agent loop with the sample's policy, writing the provenance
-# record (world_state.json), per-step metrics, checkpoints, plots and, when the analysis
-# finishes, the final adata.h5ad. An analysis that ends unfinished (e.g. unreadable input) still
-# exits 0 with its record: the report shows it as failed. A crash exits non-zero; the unfinished
-# record in checkpoints/ (not an output, so Snakemake keeps it) lets the retry resume.
+# record, per-step metrics, checkpoints, plots and, when the analysis finishes, the final AnnData
+# (the files' names: agent/layout.py). An analysis that ends unfinished (e.g. unreadable input)
+# still exits 0 with its record: the report shows it as failed. A crash exits non-zero; the
+# unfinished record in checkpoints/ (not an output, so Snakemake keeps it) lets the retry resume.
 
 
 rule analyze:
@@ -10,13 +10,13 @@ rule analyze:
     input:
         unpack(analyze_input),
     output:
-        world_state="results/samples/{sample}/world_state.json",
-        metrics="results/samples/{sample}/metrics.jsonl",
+        world_state=str(SAMPLE.record),
+        metrics=str(SAMPLE.metrics),
     log:
         "logs/analyze/{sample}.log",
     params:
         args=analyze_args,
-        outdir=lambda wildcards, output: Path(output.world_state).parent,
+        outdir=lambda wildcards: str(SAMPLE.root).format(sample=wildcards.sample),
         wait_for_server=wait_for_server,
     threads: sample_value("cpus_per_task")
     resources:

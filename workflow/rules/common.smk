@@ -2,127 +2,27 @@
 # Everything here is linear in the number of samples: one pass over the sheet, dict look-ups
 # in the per-job functions (a 1,000-sample sheet must not cost more than ~10x a 100-sample one).
 
-import csv
 import os
 import shlex
 from pathlib import Path
 
-import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
+# `agent` imports from any working directory: Snakemake puts the Snakefile's folder (the
+# repository root, workflow.basedir) on sys.path, besides the package being installed.
+from agent.layout import SampleLayout
+from agent.samplesheet import SampleSheetError, load_sheet
+
 SAMPLE_SCHEMA = Path(workflow.basedir) / "workflow" / "schemas" / "samples.schema.yaml"
+# A sample's folder; its files' names come from agent/layout.py.
+SAMPLE = SampleLayout("results/samples/{sample}")
 
 validate(config, "../schemas/config.schema.yaml")
 
 SERVER = config["server"]
 ENDPOINT = "results/servers/{shard}.json"  # serve_vllm's service output, read by its agents
 DEMO_DIR = Path(os.path.normpath(config["demo"]["dir"]))
-
-
-def sheet_error(sheet, line, sample, field, message):
-    """A parse-time error that names the sheet, its line, the sample and the column."""
-    where = f"{sheet}, line {line}"
-    if sample:
-        where += f" (sample {sample!r})"
-    if field:
-        where += f", column {field!r}"
-    return WorkflowError(f"sample sheet {where}: {message}")
-
-
-def read_sheet(sheet, schema):
-    """Read the TSV into rows of non-empty cells, checking the columns against the schema.
-
-    Integer columns are converted here so that the schema judges values, not spellings;
-    a cell that is no number is reported with its line. Returns (rows, line numbers).
-    """
-    if not sheet.is_file():
-        raise WorkflowError(f"sample sheet {sheet} does not exist (config key 'samples')")
-    columns = schema["properties"]
-    integer_columns = {name for name, spec in columns.items() if spec.get("type") == "integer"}
-    with sheet.open(newline="") as handle:
-        reader = csv.reader(handle, delimiter="\t")
-        header = [cell.strip() for cell in next(reader, [])]
-        missing = [name for name in schema["required"] if name not in header]
-        if missing:
-            raise sheet_error(
-                sheet, 1, None, missing[0],
-                f"missing column (header has {header}; required: {schema['required']})",
-            )
-        unknown = [name for name in header if name not in columns]
-        if unknown:
-            raise sheet_error(
-                sheet, 1, None, unknown[0], f"unknown column (allowed: {sorted(columns)})"
-            )
-        if len(set(header)) != len(header):
-            raise sheet_error(sheet, 1, None, None, f"repeated column name in {header}")
-        rows, lines = [], []
-        for cells in reader:
-            if not any(cell.strip() for cell in cells):
-                continue
-            line = reader.line_num
-            if len(cells) != len(header):
-                raise sheet_error(
-                    sheet, line, None, None,
-                    f"{len(cells)} tab-separated cells, the header has {len(header)}",
-                )
-            row = {name: cell.strip() for name, cell in zip(header, cells) if cell.strip()}
-            for name in integer_columns & row.keys():
-                try:
-                    row[name] = int(row[name])
-                except ValueError:
-                    raise sheet_error(
-                        sheet, line, row.get("sample"), name,
-                        f"expected a whole number, got {row[name]!r}",
-                    ) from None
-            rows.append(row)
-            lines.append(line)
-    if not rows:
-        raise WorkflowError(f"sample sheet {sheet} has no samples")
-    return rows, lines
-
-
-def validate_rows(sheet, rows, lines):
-    """Validate every row against the schema with snakemake's validate; name row and column."""
-    import jsonschema
-    import pandas as pd
-
-    try:
-        # object dtype: whole numbers stay ints (a column with gaps would turn float)
-        frame = pd.DataFrame(rows, dtype=object)
-        validate(frame, "../schemas/samples.schema.yaml", set_default=False)
-    except WorkflowError as err:
-        # validate() names the row index in its message and chains the jsonschema error
-        cause = err.__context__
-        index = next((i for i, word in enumerate(str(err).split()) if word == "row"), None)
-        if not isinstance(cause, jsonschema.ValidationError) or index is None:
-            raise WorkflowError(f"sample sheet {sheet}: {err}") from err
-        i = int(str(err).split()[index + 1])
-        field = cause.path[0] if cause.path else None
-        message = cause.message
-        if cause.validator == "required":
-            field = message.split("'")[1]
-            message = "empty cell, a value is required"
-        raise sheet_error(sheet, lines[i], rows[i].get("sample"), field, message) from None
-
-
-def check_samples(sheet, rows, lines):
-    """Sheet-level rules the schema cannot state: unique names, inputs that exist or are made."""
-    first_line = {}
-    for row, line in zip(rows, lines):
-        name = row["sample"]
-        if name in first_line:
-            raise sheet_error(
-                sheet, line, name, "sample", f"duplicate sample (first on line {first_line[name]})"
-            )
-        first_line[name] = line
-        path = row["path"]
-        if demo_sample_of(path) is None and not os.path.exists(path):
-            raise sheet_error(
-                sheet, line, name, "path",
-                f"{path!r} does not exist (relative paths are from {Path.cwd()}; paths under "
-                f"{DEMO_DIR}/NAME/ are generated by the demo_data rule)",
-            )
 
 
 def demo_sample_of(path):
@@ -147,9 +47,10 @@ def assign_shards(samples, per_server):
     return shards
 
 
-def check_server_mode(sheet, samples, rows, lines):
+def check_server_mode(sheet, samples):
     """The llm policy needs a server: vllm (made here) or external (given in config)."""
     mode = SERVER["mode"]
+    rows = sheet.rows
     llm = [i for i, row in enumerate(rows) if samples[row["sample"]]["policy"] == "llm"]
     if mode == "none" and llm:
         problem = (
@@ -158,7 +59,7 @@ def check_server_mode(sheet, samples, rows, lines):
         )
         first = llm[0]
         if "policy" in rows[first]:
-            raise sheet_error(sheet, lines[first], rows[first]["sample"], "policy", problem)
+            raise sheet.error(first, "policy", problem)
         raise WorkflowError(f"config analysis.policy: {problem}")
     if mode == "external":
         for key in ("base_url", "api_key_file"):
@@ -170,14 +71,18 @@ def check_server_mode(sheet, samples, rows, lines):
             )
 
 
-def load_samples(sheet):
-    with SAMPLE_SCHEMA.open() as handle:
-        schema = yaml.safe_load(handle)
-    rows, lines = read_sheet(sheet, schema)
-    validate_rows(sheet, rows, lines)
-    check_samples(sheet, rows, lines)
-    samples = resolve_samples(rows)
-    check_server_mode(sheet, samples, rows, lines)
+def load_samples(path):
+    try:
+        sheet = load_sheet(
+            path,
+            made_by_workflow=lambda p: demo_sample_of(p) is not None,
+            hint=f"; paths under {DEMO_DIR}/NAME/ are generated by the demo_data rule",
+            schema=SAMPLE_SCHEMA,
+        )
+        samples = resolve_samples(sheet.rows)
+        check_server_mode(sheet, samples)
+    except SampleSheetError as err:
+        raise WorkflowError(str(err)) from None
     return samples
 
 

@@ -4,9 +4,9 @@
 rule replay:
     """Re-run the recorded steps of one sample and compare the results with the record."""
     input:
-        world_state="results/samples/{sample}/world_state.json",
+        world_state=str(SAMPLE.record),
     output:
-        replay="results/samples/{sample}/replay.json",
+        replay=str(SAMPLE.replay),
     log:
         "logs/replay/{sample}.log",
     threads: sample_value("cpus_per_task")  # the thread count of the run it checks
@@ -27,8 +27,8 @@ rule replay:
 rule report:
     """The cohort report (index.html, cohort.tsv, RO-Crate) from all world states and replays."""
     input:
-        world_states=expand("results/samples/{sample}/world_state.json", sample=SAMPLES),
-        replays=expand("results/samples/{sample}/replay.json", sample=SAMPLES),
+        world_states=expand(str(SAMPLE.record), sample=SAMPLES),
+        replays=expand(str(SAMPLE.replay), sample=SAMPLES),
     output:
         html=report("results/report/index.html", category="Cohort report"),
         tsv="results/report/cohort.tsv",

@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from agent.serve.endpoint import http_json, root_url
+from agent.endpoint import http_json, root_url
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ServerFailed(RuntimeError):

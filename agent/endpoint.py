@@ -1,9 +1,10 @@
-"""How an agent finds its server: the endpoint file, the API key file, and the wait on health.
+"""The endpoint file, the one contract between a server and its agents: ``write_endpoint`` (the
+launcher's side) and ``read_endpoint`` (the agents'), the API key file, and the wait on health.
 
 The endpoint file is JSON written by ``python -m agent serve`` once the server has answered
 ``/health``, listed its model and served a warm-up request. It names the key *file*, never the key;
 the key file must be readable by its owner only, because a compute node's port is reachable by
-every user of the cluster.
+every user of the cluster. Agents need no launcher code to read it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from agent.durable import atomic_write_json
 
 
 class EndpointError(RuntimeError):
@@ -50,6 +53,39 @@ def read_api_key(path: str | Path) -> str:
     return key
 
 
+# What agents rely on, with its JSON type; everything else in the file is the launcher's account
+# of the server (flags and reasons, vLLM version, timings...), kept for the record.
+REQUIRED = (("url", str), ("model", str), ("max_model_len", int))
+
+
+def write_endpoint(
+    path: Path,
+    *,
+    url: str,
+    model: str,
+    api_key_file: Path,
+    max_model_len: int,
+    flags: list[dict[str, Any]],
+    **details: Any,
+) -> None:
+    """Publish a ready server (atomically: agents never read half a file).
+
+    ``details`` are the launcher's record of the server (``model_path``, ``argv``, ``timings``...),
+    stored as given; the key itself never goes into the file, only ``api_key_file``.
+    """
+    if "api_key" in details:
+        raise ValueError("the endpoint file names the key file (api_key_file), never the key")
+    doc = {
+        "url": url,
+        "model": model,
+        "api_key_file": str(Path(api_key_file).resolve()),
+        "max_model_len": max_model_len,
+        "flags": flags,
+        **details,
+    }
+    atomic_write_json(path, doc, indent=True)
+
+
 def read_endpoint(path: str | Path) -> Endpoint:
     """Read an endpoint file written by ``python -m agent serve`` (and the key it points to)."""
     p = Path(path)
@@ -61,7 +97,7 @@ def read_endpoint(path: str | Path) -> Endpoint:
         raise EndpointError(f"endpoint file {p}: not valid JSON ({exc})") from exc
     if not isinstance(info, dict):
         raise EndpointError(f"endpoint file {p}: expected a JSON object")
-    for key, kind in (("url", str), ("model", str), ("max_model_len", int)):
+    for key, kind in REQUIRED:
         if not isinstance(info.get(key), kind):
             raise EndpointError(
                 f"endpoint file {p}: field {key!r} is {info.get(key)!r}, expected {kind.__name__}"

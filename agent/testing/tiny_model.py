@@ -6,7 +6,7 @@ Qwen2.5/Qwen3 templates do, so vLLM's ``hermes`` tool parser reads what the mode
 The weights are random: the model's text is noise, but its token counts, prompt caching and
 context-length limits are the server's real ones.
 
-``python tests/tiny_model.py OUTDIR`` builds it by hand.
+``python -m agent.testing.tiny_model OUTDIR`` builds it by hand.
 """
 
 from __future__ import annotations
@@ -167,5 +167,5 @@ def build_tiny_model(outdir: str | Path, seed: int = SEED) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python tests/tiny_model.py OUTDIR")
+        raise SystemExit("usage: python -m agent.testing.tiny_model OUTDIR")
     print(build_tiny_model(sys.argv[1]))

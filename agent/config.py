@@ -1,0 +1,126 @@
+"""RunConfig: everything one sample run needs, in one validated object.
+
+`python -m agent run` only builds it from its options (one option per field, the field's
+description as its help); replay, the benchmarks and the tests build the same object and call
+``agent.runner.run_sample(config)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agent.layout import SampleLayout
+
+
+class RunConfig(BaseModel):
+    """One sample, one policy, one output folder."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input: Path = Field(description="10x mtx folder, 10x .h5 or .h5ad of raw counts")
+    outdir: Path = Field(description="the sample's output folder")
+    sample: str | None = Field(None, description="sample name (default: the input's name)")
+    policy: Literal["reference", "llm", "replay"] = Field(
+        "reference",
+        description="who decides the next call: the reference recipe, a model, or a record",
+    )
+    endpoint_file: Path | None = Field(
+        None, description="endpoint JSON written by `python -m agent serve` (llm policy)"
+    )
+    base_url: str | None = Field(
+        None, description="OpenAI-compatible base URL, e.g. http://host:8000/v1 (llm policy)"
+    )
+    model: str | None = Field(None, description="model name on that server (llm policy)")
+    api_key_file: Path | None = Field(None, description="file holding the server's API key")
+    brief: str | None = Field(None, description="extra instructions for this sample")
+    world_state: Path | None = Field(
+        None, description="recorded world_state.json whose calls to repeat (replay policy)"
+    )
+    seed: int = Field(0, description="seed of every random step (PCA, UMAP, Leiden, Scrublet...)")
+    fresh: bool = Field(
+        False, description="start over even if an unfinished record of this sample exists"
+    )
+    max_steps: int = Field(120, ge=1, description="tool calls at most")
+    context_limit: int = Field(
+        32768, ge=1, description="used when the server does not report max_model_len"
+    )
+    max_tokens: int = Field(
+        1024, ge=1, description="completion limit per reply, reserved in the context budget"
+    )
+    tokenizer: str | None = Field(
+        None, description="model folder with tokenizer.json, for exact local token counts"
+    )
+    request_timeout: float = Field(
+        300.0, gt=0, description="seconds one model request may take before it is retried"
+    )
+    request_retries: int = Field(
+        5,
+        ge=0,
+        description="retries of a failed or timed-out request (exponential backoff) before the "
+        "outage wait",
+    )
+    server_wait: float = Field(600.0, ge=0, description="seconds to wait for server health")
+    outage_wait: float = Field(
+        900.0,
+        ge=0,
+        description="seconds to wait for a server that died or stalled mid-run before failing "
+        "(the record stays resumable; with --endpoint-file a restarted server is followed)",
+    )
+
+    @model_validator(mode="after")
+    def _policy_inputs(self) -> RunConfig:
+        if self.policy == "replay" and self.world_state is None:
+            raise ValueError("--policy replay needs --world-state FILE (the recorded run to replay)")
+        if self.policy == "llm" and not (self.endpoint_file or (self.base_url and self.model)):
+            raise ValueError(
+                "--policy llm needs --endpoint-file FILE, or --base-url URL and --model NAME"
+            )
+        return self
+
+    @property
+    def layout(self) -> SampleLayout:
+        return SampleLayout(self.outdir)
+
+    @property
+    def sample_name(self) -> str:
+        return self.sample or self.input.stem
+
+    # The command line: one option per field, so that the two never disagree.
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        for name, field in cls.model_fields.items():
+            flag = "--" + name.replace("_", "-")
+            kind = _plain(field.annotation)
+            if kind is bool:
+                parser.add_argument(flag, action="store_true", help=field.description)
+                continue
+            extra: dict[str, Any] = {}
+            if get_origin(kind) is Literal:
+                extra["choices"] = list(get_args(kind))
+            else:
+                extra["type"] = kind
+            if field.is_required():
+                extra["required"] = True
+                help_text = field.description
+            else:
+                extra["default"] = field.default
+                shown = f" (default: {field.default})" if field.default is not None else ""
+                help_text = f"{field.description}{shown}"
+            parser.add_argument(flag, help=help_text, **extra)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunConfig:
+        return cls(**{name: getattr(args, name) for name in cls.model_fields})
+
+
+def _plain(annotation: Any) -> Any:
+    """``X | None`` -> X."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return next(a for a in get_args(annotation) if a is not type(None))
+    return annotation

@@ -1,0 +1,164 @@
+"""Durable files: every write that a crash must not leave half done goes through here.
+
+- ``atomic_write`` / ``atomic_write_json`` / ``atomic_write_h5ad``: a temporary file in the same
+  folder, then a rename, so readers see the old file or the whole new one.
+- ``write_private``: a file only its owner can read (API keys).
+- ``RecordWriter``: the world state's append-and-rename save, published under a name and its
+  hard-linked copies.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+_Stamp = tuple[int, int, int]  # st_ino, st_size, st_mtime_ns of a file as this process left it
+
+
+def _stamp(f: BinaryIO) -> _Stamp:
+    f.flush()
+    os.fsync(f.fileno())
+    st = os.fstat(f.fileno())
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def sync_dir(path: Path) -> None:
+    """Make the renames in a folder durable (some network file systems refuse; they need not)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_temp(path: Path, data: list[bytes]) -> tuple[Path, _Stamp]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a result file is as readable as any
+        with os.fdopen(fd, "wb") as f:
+            f.writelines(data)
+            return Path(tmp), _stamp(f)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write(path: str | Path, data: bytes | list[bytes]) -> None:
+    """Write to a temporary file in the same folder, then rename: never a half-written file."""
+    path = Path(path)
+    tmp, _ = _write_temp(path, [data] if isinstance(data, bytes) else data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | Path, doc: Any, indent: bool = False) -> None:
+    """``doc`` as JSON (numpy values allowed), written atomically; indented for people to read."""
+    opts = orjson.OPT_SERIALIZE_NUMPY | (orjson.OPT_INDENT_2 if indent else 0)
+    atomic_write(path, orjson.dumps(doc, option=opts) + (b"\n" if indent else b""))
+
+
+def atomic_write_h5ad(adata: Any, path: Path) -> None:
+    """Write an .h5ad so that readers see the old file or the whole new one, never a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        adata.write_h5ad(tmp)  # no compression: checkpoints must be cheap
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file only its owner can read (mode 0600, also when it existed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _unchanged(path: Path, stamp: _Stamp) -> bool:
+    """Whether `path` is the file this process left (and no other name holds it)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return st.st_nlink == 1 and (st.st_ino, st.st_size, st.st_mtime_ns) == stamp
+
+
+class RecordWriter:
+    """Publishes a JSON document of the shape ``head + items + tail`` under ``path`` and its
+    ``copies`` (hard links). Each name is swapped by a rename after an fsync, and the renames are
+    made durable: a kill or a power loss leaves the old or the new whole document under every name.
+
+    An append save (``append=True``, the loop's every step) does not rewrite the whole document
+    (megabytes by the end of a long run; that was three quarters of the loop's own time): it
+    appends the new items to the spare, the file published the save before the last, which only
+    the hidden name ``.NAME.spare`` still holds, renames it in, and keeps the file it replaces as
+    the next spare. A spare is extended only if it is as this writer left it (inode, size, mtime,
+    one link), else a new file is written. Other saves write a new file and drop the spare. A
+    reader that keeps the file open across two saves may see it grow.
+
+    The fsyncs stay on every save, though a killed process loses nothing in the page cache: since
+    a published file is written again (as the spare) two saves later, without them a power loss
+    could leave a torn document under the published names.
+    """
+
+    def __init__(self, path: Path, copies: tuple[Path, ...] = ()):
+        self.path, self.copies = path, copies
+        # (head, items, stamp) of the file last published and of the spare (the one before)
+        self._published: tuple[bytes, int, _Stamp] | None = None
+        self._spare: tuple[bytes, int, _Stamp] | None = None
+
+    def save(
+        self, head: bytes, n: int, body: Callable[[int], list[bytes]], append: bool = False
+    ) -> None:
+        """Publish ``head`` followed by ``body(0)``; ``body(k)`` must give the chunks of the items
+        from the k-th on (separators included) and the closing tail of two bytes."""
+        first = self.path
+        spare, keep = (first.with_name(f".{first.name}.{x}") for x in ("spare", "keep"))
+        old, self._spare, published, self._published = self._spare, None, self._published, None
+        if append and old and old[0] == head and old[1] <= n and _unchanged(spare, old[2]):
+            with open(spare, "r+b") as f:
+                f.seek(old[2][1] - 2)  # over the closing tail
+                f.writelines(body(old[1]))
+                src, stamp = spare, _stamp(f)
+        else:
+            src, stamp = _write_temp(first, [head, *body(0)])
+        keep.unlink(missing_ok=True)
+        kept = append and first.exists()
+        if kept:
+            os.link(first, keep)  # the file published until now: the next spare
+        os.replace(src, first)
+        if kept:
+            os.replace(keep, spare)
+        else:
+            spare.unlink(missing_ok=True)
+        for copy in self.copies:
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            tmp = copy.with_name(f".{copy.name}.link")
+            tmp.unlink(missing_ok=True)
+            os.link(first, tmp)
+            os.replace(tmp, copy)
+        # Durable renames before the file they replaced is written again as the spare.
+        for folder in dict.fromkeys(p.parent for p in (first, *self.copies)):
+            sync_dir(folder)
+        self._published, self._spare = (head, n, stamp), published if append else None

@@ -1,0 +1,80 @@
+"""SampleLayout: the one place that names every path of a sample's output folder.
+
+The loop, the record, the tools' session, replay, the report, the RO-Crate and the workflow's
+rules (through ``workflow/rules/common.smk``) all take their paths from here, so renaming a file
+is a one-line change below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# Names inside a sample's folder. Kept beside the checkpoints are copies (hard links) of the
+# record and the metrics: Snakemake deletes the declared outputs of a failed job, and a resumed
+# job reads the copies, which it does not own.
+RECORD = "world_state.json"
+METRICS = "metrics.jsonl"
+FINAL = "adata.h5ad"
+REPLAY = "replay.json"
+PLOTS = "plots"
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass(frozen=True)
+class SampleLayout:
+    """Paths of one sample's folder; ``root`` may be a Snakemake pattern such as
+    ``results/samples/{sample}``, since paths are only joined, never resolved."""
+
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def record(self) -> Path:
+        """The provenance record (world state), a declared output."""
+        return self.root / RECORD
+
+    @property
+    def metrics(self) -> Path:
+        """One JSON line per loop iteration, a declared output."""
+        return self.root / METRICS
+
+    @property
+    def final(self) -> Path:
+        """The analysed AnnData, written by ``finish``."""
+        return self.root / FINAL
+
+    @property
+    def replay(self) -> Path:
+        """The replay verdict, written by ``agent replay``."""
+        return self.root / REPLAY
+
+    @property
+    def plots(self) -> Path:
+        """Figures the ``plot`` tool draws."""
+        return self.root / PLOTS
+
+    @property
+    def checkpoints(self) -> Path:
+        """Checkpoints and the kept copies of record and metrics (not declared outputs)."""
+        return self.root / CHECKPOINTS
+
+    @property
+    def record_copy(self) -> Path:
+        return self.checkpoints / RECORD
+
+    @property
+    def metrics_copy(self) -> Path:
+        return self.checkpoints / METRICS
+
+    def checkpoint(self, step: int) -> Path:
+        """The AnnData checkpoint written after ``step``; its sidecar is the same name in .json."""
+        return self.checkpoints / f"step_{step:04d}.h5ad"
+
+    @staticmethod
+    def checkpoint_step(path: Path) -> int | None:
+        """The step a checkpoint file name stands for, or None for any other file."""
+        stem = path.stem
+        return int(stem[5:]) if stem.startswith("step_") and stem[5:].isdigit() else None
