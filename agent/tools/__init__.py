@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -47,11 +46,11 @@ def build_registry() -> ToolRegistry:
     return ToolRegistry(TOOLS)
 
 
-@functools.cache
 def tool_specs() -> dict[str, ToolSpec]:
     """Each tool's metadata (kind, needs, cost, whether it changes the data) by name, in TOOLS
-    order: for readers of records (the report) that need no registry of their own."""
-    return build_registry().specs()
+    order, as ``@tool`` declared it: for readers of records (the report), with no registry to
+    build."""
+    return {fn.__name__: fn.spec for fn in TOOLS}
 
 
 __all__ = ["TOOLS", "Session", "build_registry", "tool_specs"]
