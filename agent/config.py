@@ -43,7 +43,15 @@ class RunConfig(BaseModel):
     )
     seed: int = Field(0, description="seed of every random step (PCA, UMAP, Leiden, Scrublet...)")
     fresh: bool = Field(
-        False, description="start over even if an unfinished record of this sample exists"
+        False,
+        description="start over even if the folder holds an analysis of this sample (it is moved "
+        "to previous/)",
+    )
+    replace_changed: bool = Field(
+        False,
+        description="start over, as --fresh, only when the folder's analysis was made with other "
+        "settings or another input (default: refuse, naming them); the workflow passes it, as "
+        "an edited sample sheet or input asks for a new analysis",
     )
     max_steps: int = Field(120, ge=1, description="tool calls at most")
     context_limit: int = Field(
@@ -75,7 +83,9 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _policy_inputs(self) -> RunConfig:
         if self.policy == "replay" and self.world_state is None:
-            raise ValueError("--policy replay needs --world-state FILE (the recorded run to replay)")
+            raise ValueError(
+                "--policy replay needs --world-state FILE (the recorded run to replay)"
+            )
         if self.policy == "llm" and not (self.endpoint_file or (self.base_url and self.model)):
             raise ValueError(
                 "--policy llm needs --endpoint-file FILE, or --base-url URL and --model NAME"

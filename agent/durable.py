@@ -73,9 +73,37 @@ def atomic_write_json(path: str | Path, doc: Any, indent: bool = False) -> None:
     atomic_write(path, orjson.dumps(doc, option=opts) + (b"\n" if indent else b""))
 
 
+def h5ad_size(adata: Any) -> int:
+    """Bytes an uncompressed .h5ad of ``adata`` takes, about: its arrays, and the tables' columns."""
+
+    def nbytes(m: Any) -> int:
+        if hasattr(m, "data") and hasattr(m, "indptr"):  # sparse
+            return m.data.nbytes + m.indices.nbytes + m.indptr.nbytes
+        return int(getattr(m, "nbytes", 0))
+
+    arrays = [adata.X, *adata.layers.values(), *adata.obsm.values(), *adata.obsp.values()]
+    arrays += [*adata.varm.values(), adata.raw.X if adata.raw is not None else None]
+    tables = sum(int(t.memory_usage(deep=True).sum()) for t in (adata.obs, adata.var))
+    return sum(nbytes(m) for m in arrays if m is not None) + tables
+
+
+def check_space(folder: Path, needed: int) -> None:
+    """Refuse a write that cannot fit (an ENOSPC OSError, a fault of the machine) before it starts:
+    h5py can crash the process on a full disk, leaving a partial file behind."""
+    st = os.statvfs(folder)
+    free = st.f_bavail * st.f_frsize
+    if needed + (16 << 20) > free:  # a margin for metadata and the record's own writes
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device: writing about {needed / 2**20:.0f} MiB into {folder} "
+            f"needs more than the {free / 2**20:.0f} MiB free",
+        )
+
+
 def atomic_write_h5ad(adata: Any, path: Path) -> None:
     """Write an .h5ad so that readers see the old file or the whole new one, never a partial one."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    check_space(path.parent, h5ad_size(adata))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         adata.write_h5ad(tmp)  # no compression: checkpoints must be cheap

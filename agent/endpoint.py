@@ -10,6 +10,8 @@ every user of the cluster. Agents need no launcher code to read it.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import stat
 import time
 import urllib.error
@@ -19,10 +21,37 @@ from pathlib import Path
 from typing import Any
 
 from agent.durable import atomic_write_json
+from agent.policies.base import PolicyUnavailable
 
 
-class EndpointError(RuntimeError):
-    """An endpoint file that cannot be used, or a server that did not become ready."""
+class EndpointError(PolicyUnavailable):
+    """An endpoint file that cannot be used, or a server that did not become ready. A
+    PolicyUnavailable, so that the runner ends the run with one line and a record."""
+
+
+class KeyRefused(EndpointError):
+    """The server refused the API key (HTTP 401 or 403): final at once, as no wait changes a key."""
+
+    def __init__(
+        self,
+        url: str,
+        answer: str,
+        key_file: str | Path | None = None,
+        endpoint_file: str | Path | None = None,
+        outages: list[dict[str, Any]] | None = None,
+    ):
+        key = f"the API key in {key_file}" if key_file else "the API key"
+        message = f"server {url} refused {key} ({answer})"
+        if endpoint_file:
+            message += (
+                f": the server was restarted with a new key (or another server took its port) "
+                f"and {endpoint_file} does not name it; rerun once its launcher has written the "
+                f"file again"
+            )
+        else:
+            message += ": not the server's key; give the server's key file (--api-key-file)"
+        super().__init__(message, outages)
+        self.answer = answer
 
 
 @dataclass(frozen=True)
@@ -34,20 +63,25 @@ class Endpoint:
     flags: list[dict[str, Any]] = field(repr=False)
     path: Path | None = None
     info: dict[str, Any] = field(default_factory=dict, repr=False)
+    key_file: Path | None = None  # where api_key came from, for messages
 
 
 def read_api_key(path: str | Path) -> str:
-    """The key in ``path``; refuses a file that group or others may read."""
+    """The key in ``path``; refuses a file that group or others may read or write, as ssh does
+    for a private key: on a shared cluster they could use the key, or replace it."""
     p = Path(path)
     try:
         mode = p.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise EndpointError(f"API key file {p}: not a regular file")
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise EndpointError(
+                f"API key file {p}: mode {stat.S_IMODE(mode):03o} gives group or others access "
+                f"to the key; expected the owner's only (chmod 600 {p})"
+            )
+        key = p.read_text().strip()
     except OSError as exc:
         raise EndpointError(f"API key file {p}: {exc.strerror}") from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise EndpointError(
-            f"API key file {p}: mode {stat.S_IMODE(mode):03o} lets others read it; expected 600 (chmod 600 {p})"
-        )
-    key = p.read_text().strip()
     if not key:
         raise EndpointError(f"API key file {p}: empty")
     return key
@@ -71,7 +105,8 @@ def write_endpoint(
     """Publish a ready server (atomically: agents never read half a file).
 
     ``details`` are the launcher's record of the server (``model_path``, ``argv``, ``timings``...),
-    stored as given; the key itself never goes into the file, only ``api_key_file``.
+    stored as given; the key itself never goes into the file, only ``api_key_file``. The writer's
+    host, pid and Slurm job go in too: readers tell a file left by a dead launcher from a live one.
     """
     if "api_key" in details:
         raise ValueError("the endpoint file names the key file (api_key_file), never the key")
@@ -81,13 +116,37 @@ def write_endpoint(
         "api_key_file": str(Path(api_key_file).resolve()),
         "max_model_len": max_model_len,
         "flags": flags,
+        "hostname": socket.gethostname(),
+        "launcher_pid": os.getpid(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         **details,
     }
     atomic_write_json(path, doc, indent=True)
 
 
+def _writer(info: dict[str, Any]) -> str:
+    """Who wrote an endpoint file, for messages."""
+    job = f", Slurm job {info['slurm_job_id']}" if info.get("slurm_job_id") else ""
+    return f"launcher pid {info.get('launcher_pid', '?')} on host {info.get('hostname', '?')}{job}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def read_endpoint(path: str | Path) -> Endpoint:
-    """Read an endpoint file written by ``python -m agent serve`` (and the key it points to)."""
+    """Read an endpoint file written by ``python -m agent serve`` (and the key it points to).
+
+    Refuses a stale file at once: one written on this host whose launcher and server processes
+    are all gone (a launcher killed with SIGKILL cannot remove it). From another host it cannot
+    tell, and the health wait decides.
+    """
     p = Path(path)
     try:
         info = json.loads(p.read_text())
@@ -102,10 +161,19 @@ def read_endpoint(path: str | Path) -> Endpoint:
             raise EndpointError(
                 f"endpoint file {p}: field {key!r} is {info.get(key)!r}, expected {kind.__name__}"
             )
-    api_key = None
+    # the server process (pid) may outlive a killed launcher, and then still serves
+    pids = [info[k] for k in ("launcher_pid", "pid") if isinstance(info.get(k), int)]
+    if info.get("hostname") == socket.gethostname() and pids and not any(map(_alive, pids)):
+        raise EndpointError(
+            f"endpoint file {p} is stale: written by {_writer(info)}, but no process of that "
+            f"server runs any more (gone: pid {', '.join(map(str, pids))}), as when its launcher "
+            f"is killed before it can remove the file; start the server again, which replaces it"
+        )
+    api_key = key_path = None
     if info.get("api_key_file"):
         key_path = Path(info["api_key_file"])
-        api_key = read_api_key(key_path if key_path.is_absolute() else p.parent / key_path)
+        key_path = key_path if key_path.is_absolute() else p.parent / key_path
+        api_key = read_api_key(key_path)
     return Endpoint(
         url=info["url"],
         model=info["model"],
@@ -114,6 +182,7 @@ def read_endpoint(path: str | Path) -> Endpoint:
         flags=list(info.get("flags") or []),
         path=p,
         info=info,
+        key_file=key_path,
     )
 
 
@@ -149,7 +218,8 @@ def http_json(
 
 
 def probe(base_url: str, api_key: str | None = None, model: str | None = None) -> str | None:
-    """None when /health answers 200 (and /v1/models lists ``model``), else what is missing."""
+    """None when /health answers 200 (and /v1/models lists ``model``), else what is missing;
+    raises KeyRefused when /v1/models refuses ``api_key``."""
     try:
         status, _ = http_json("GET", root_url(base_url) + "/health", timeout_s=5)
         if status != 200:
@@ -159,6 +229,8 @@ def probe(base_url: str, api_key: str | None = None, model: str | None = None) -
         status, body = http_json("GET", root_url(base_url) + "/v1/models", api_key, timeout_s=5)
     except (OSError, urllib.error.URLError) as exc:
         return f"no answer ({getattr(exc, 'reason', exc)})"
+    if status in (401, 403):
+        raise KeyRefused(base_url, f"/v1/models answered {status}")
     if status != 200:
         return f"/v1/models answered {status}: {str(body)[:200]}"
     ids = [m.get("id") for m in (body or {}).get("data", [])] if isinstance(body, dict) else []
@@ -171,18 +243,37 @@ def wait_until_ready(
     model: str | None = None,
     timeout_s: float = 600.0,
     interval_s: float = 1.0,
+    key_file: str | Path | None = None,
+    endpoint_file: str | Path | None = None,
 ) -> float:
     """Block until the server is healthy (and serves ``model``); returns the seconds waited.
 
     Agents call this before their first request: a server in the same allocation may still be
-    loading weights when the agent starts.
+    loading weights when the agent starts. A refused key ends the wait at once (KeyRefused);
+    ``key_file`` and ``endpoint_file``, where the key and URL came from, are named in the errors.
     """
     start = time.monotonic()
     while True:
-        problem = probe(base_url, api_key, model)
+        try:
+            problem = probe(base_url, api_key, model)
+        except KeyRefused as exc:
+            raise KeyRefused(base_url, exc.answer, key_file, endpoint_file) from None
         waited = time.monotonic() - start
         if problem is None:
             return waited
         if waited >= timeout_s:
-            raise EndpointError(f"server {base_url} not ready after {waited:.0f} s: {problem}")
+            where = f"; {describe(endpoint_file)}" if endpoint_file else ""
+            raise EndpointError(
+                f"server {base_url} not ready after {waited:.0f} s: {problem}{where}"
+            )
         time.sleep(min(interval_s, max(0.0, timeout_s - waited)))
+
+
+def describe(endpoint_file: str | Path) -> str:
+    """What an endpoint file says now, and who wrote it: on another host a dead launcher cannot
+    be told from a live one, so the user is given the host and job to look at."""
+    try:
+        info = read_endpoint(endpoint_file).info
+    except EndpointError as exc:  # gone, stale, unreadable
+        return str(exc)
+    return f"endpoint file {endpoint_file} names {info['url']}, written by {_writer(info)}"

@@ -19,6 +19,8 @@ FINAL = "adata.h5ad"
 REPLAY = "replay.json"
 PLOTS = "plots"
 CHECKPOINTS = "checkpoints"
+PREVIOUS = "previous"
+LOCK = ".lock"
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,19 @@ class SampleLayout:
     @property
     def metrics_copy(self) -> Path:
         return self.checkpoints / METRICS
+
+    @property
+    def lock(self) -> Path:
+        """Held by the one run writing this folder (agent/lock.py)."""
+        return self.root / LOCK
+
+    def previous(self, stamp: str) -> Path:
+        """Where ``--fresh`` keeps the analysis it replaces (record, metrics, final data, plots)."""
+        return self.root / PREVIOUS / stamp
+
+    def kept_results(self) -> list[Path]:
+        """What ``--fresh`` moves to ``previous/``: everything a finished analysis published."""
+        return [self.record, self.metrics, self.final, self.replay, self.plots]
 
     def checkpoint(self, step: int) -> Path:
         """The AnnData checkpoint written after ``step``; its sidecar is the same name in .json."""

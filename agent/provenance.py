@@ -35,17 +35,41 @@ def versions() -> dict[str, str]:
     return found
 
 
-def checksum(path: Path) -> str:
-    """sha256 of a file, or of a folder's files (relative names and contents, in sorted order)."""
+# The files scanpy's 10x mtx reader opens: Cell Ranger v2 (plain, genes.tsv) or v3+ (gzipped).
+MTX_V2 = ("matrix.mtx", "genes.tsv", "barcodes.tsv")
+MTX_V3 = ("matrix.mtx.gz", "features.tsv.gz", "barcodes.tsv.gz")
+
+
+def input_files(path: Path) -> list[Path]:
+    """The files the reader uses for an input: the file itself, or a 10x folder's matrix, features
+    and barcodes (those present; other files in the folder are not the input)."""
+    if not path.is_dir():
+        return [path]
+    names = MTX_V2 if (path / "genes.tsv").is_file() else MTX_V3
+    return [path / n for n in names if (path / n).is_file()]
+
+
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for f in files:
-        if path.is_dir():
-            h.update(str(f.relative_to(path)).encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
     return h.hexdigest()
+
+
+def input_checksums(path: Path) -> dict[str, str]:
+    """sha256 of each file the reader uses, by its name (content, not location: the same bytes in
+    a moved folder have the same checksums)."""
+    return {f.name: file_sha256(f) for f in input_files(path)}
+
+
+def checksum(path: Path, sums: dict[str, str] | None = None) -> str:
+    """One sha256 for an input: of the file's bytes, or of a 10x folder's used files (each name
+    and its sha256, in order). ``sums``: its input_checksums, when already computed."""
+    sums = input_checksums(path) if sums is None else sums
+    if not path.is_dir():
+        return sums[path.name]
+    return hashlib.sha256("".join(f"{n}\0{h}\n" for n, h in sums.items()).encode()).hexdigest()
 
 
 def now() -> str:

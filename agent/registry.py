@@ -4,7 +4,9 @@ A tool is a plain function whose first parameter is the run's session and whose 
 parameters are keyword arguments with type hints (ranges via ``Annotated[float, Field(ge=..)]``,
 choices via ``Literal``). Its docstring's first paragraph describes it to the model; parameter
 descriptions come from ``Field(description=...)`` or from the docstring's Args/Parameters
-section. A call never raises: every failure becomes an error ``Outcome`` that the model reads.
+section. A call raises only for a fault of the machine, not of the analysis (InfrastructureError:
+an I/O error, a full disk, memory exhausted): a retry of the job resumes it. Every other failure
+becomes an error ``Outcome`` that the model reads and the record keeps.
 
 What the rest of the project needs to know about a tool (what must have succeeded before it, whether
 it is worth a checkpoint, whether it changes the data, what kind of step it is) is declared once, by
@@ -13,6 +15,7 @@ the ``@tool(...)`` decorator on the function; the registry refuses a function wi
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
 import time
@@ -28,6 +31,34 @@ from pydantic.fields import FieldInfo
 
 class ToolError(Exception):
     """A failure the model should read and can act on (wrong order, bad input, bad value)."""
+
+
+class InfrastructureError(Exception):
+    """The machine failed the run (I/O error, full disk, no memory): not a result of the
+    analysis, so it is not recorded as one; the run stops and a retry resumes it."""
+
+
+# errno values that say the storage or the machine failed, not the request: a file that is not
+# there or not readable (ENOENT, EACCES, EISDIR...) is the call's own mistake and stays a result.
+INFRASTRUCTURE_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("EIO", "ENOSPC", "EDQUOT", "ESTALE", "ENOMEM", "EROFS", "ENOLCK", "ETIMEDOUT",
+                 "EMFILE", "ENFILE", "EREMOTEIO", "ECOMM")
+    if hasattr(errno, name)
+)  # fmt: skip
+
+
+def infrastructure_fault(e: BaseException) -> BaseException | None:
+    """The machine fault behind ``e``, if any: ``e`` or an exception it was raised from or while
+    handling (tools turn reader errors into readable ToolErrors, keeping the original as context)."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, MemoryError) or (
+            isinstance(seen, OSError) and seen.errno in INFRASTRUCTURE_ERRNOS
+        ):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 Kind = Literal[
@@ -189,7 +220,9 @@ class ToolRegistry:
         record holds parameters: tuples are lists)."""
         return {
             name: {
-                k: jsonable(f.default) for k, f in t.model.model_fields.items() if not f.is_required()
+                k: jsonable(f.default)
+                for k, f in t.model.model_fields.items()
+                if not f.is_required()
             }
             for name, t in self._tools.items()
         }
@@ -230,8 +263,12 @@ class ToolRegistry:
                 raise
             result = jsonable(self._tools[name].fn(session, **params))
             status, error = "ok", None
-        except ToolError as e:
-            result, status, error = None, "error", str(e)
-        except Exception as e:  # a tool bug must not end the run; the model and record see it
-            result, status, error = None, "error", f"{name} failed: {type(e).__name__}: {e}"
+        except Exception as e:
+            fault = infrastructure_fault(e)
+            if fault is not None:
+                raise InfrastructureError(f"{name}: {type(fault).__name__}: {fault}") from e
+            if isinstance(e, ToolError):
+                result, status, error = None, "error", str(e)
+            else:  # a tool bug must not end the run; the model and record see it
+                result, status, error = None, "error", f"{name} failed: {type(e).__name__}: {e}"
         return Outcome(name, params, status, result, error, time.perf_counter() - start, rejected)

@@ -1,15 +1,20 @@
 """`python -m agent replay`: re-run a recorded analysis with no model and compare it step by step.
 
-The recorded successful calls are re-issued in order with their exact parameters (ReplayPolicy)
-through the same runner and loop as the original run, on the same input (checked by sha256), in
-a scratch folder. Each replayed step is then compared with its recorded counterpart: the results
-(every field, recursively), the parameters, and the data digests before and after. Verdicts:
+The record is first checked whole and unaltered (agent/integrity.py). The recorded successful
+calls are then re-issued in order with their exact parameters (ReplayPolicy) through the same
+runner and loop as the original run, on the same input data (checked by content, wherever it now
+lies: ``--input``), in a scratch folder. Each replayed step is then compared with its recorded
+counterpart: the results (every field, recursively), the parameters, and the data digests before
+and after. Verdicts:
 
 - ``reproduced``: every result field and every digest identical;
 - ``within tolerance``: some numbers differ, all within ``|a - b| <= atol + rtol * |b|``
   (b = recorded); digests that differ are then settled by comparing the two steps' checkpoints
   with the same tolerance, where both exist;
-- ``diverged at step k``: the first recorded step k whose replay differs beyond that.
+- ``diverged at step k``: the first recorded step k whose replay differs beyond that;
+- ``altered at step k`` (``altered`` when only meta is): the record fails its integrity check,
+  whatever the comparison found (the summary says both);
+- ``not replayed``: the record cannot be read, or its input is missing or holds other data.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from typing import Any, Literal
 
 from agent.config import RunConfig
 from agent.durable import atomic_write_json
+from agent.integrity import NO_CHAIN, check_record, unchained
 from agent.layout import SampleLayout
-from agent.provenance import checksum, now, versions
+from agent.provenance import checksum, input_checksums, now, versions
+from agent.signals import Interrupted, interruptible
 from agent.tools.session import DIGEST_VERSION
 from agent.world_state import Entry, WorldState
 
@@ -38,7 +45,12 @@ _RANK: dict[str, int] = {"identical": 0, "within tolerance": 1, "diverged": 2}
 
 
 class ReplayError(Exception):
-    """The replay cannot start: missing or changed input, unreadable record, unusable workdir."""
+    """A usage error: the --workdir given cannot be used."""
+
+
+class NotReplayed(Exception):
+    """The replay cannot start: the record cannot be read, or its input is missing or holds
+    other data."""
 
 
 @dataclass
@@ -231,24 +243,41 @@ def verdict(steps: list[StepComparison]) -> tuple[str, int | None, str]:
     return "reproduced", None, f"all {len(steps)} steps reproduced exactly"
 
 
-def check_input(recorded: WorldState, source: Path) -> Path:
-    """The recorded input, present and unchanged (sha256), or a ReplayError saying which."""
+def check_input(recorded: WorldState, source: Path, given: str | Path | None = None) -> Path:
+    """The input to replay on (``given``, else meta.input), holding the very data the analysis
+    read (by content, not location), or a NotReplayed saying what is missing or differs."""
     meta = recorded.meta
     if not meta.get("input") or not meta.get("input_sha256"):
-        raise ReplayError(f"{source}: meta.input and meta.input_sha256 are required to replay")
-    path = Path(meta["input"])
+        raise NotReplayed(f"{source}: meta.input and meta.input_sha256 are required to replay")
+    path = Path(given or meta["input"])
+    where = "given with --input" if given else f"recorded in {source}, meta.input"
     if not path.exists():
-        raise ReplayError(
-            f"input {path} (recorded in {source}, meta.input) does not exist; "
-            "replay needs the very file the analysis read"
+        raise NotReplayed(
+            f"input {path} ({where}) does not exist; replay needs the very data the analysis "
+            "read (give its new place with --input)"
         )
-    actual = checksum(path)
-    if actual != meta["input_sha256"]:
-        raise ReplayError(
-            f"input {path} has changed since it was analysed: sha256 is {actual}, "
-            f"but {source} recorded meta.input_sha256 = {meta['input_sha256']}"
-        )
-    return path
+    try:
+        sums = input_checksums(path)
+    except OSError as e:
+        raise NotReplayed(f"input {path} ({where}) cannot be read: {e}") from None
+    if checksum(path, sums) == meta["input_sha256"]:
+        return path
+    files = meta.get("input_files")
+    if files and path.is_dir():
+        differ = [f"{n} differs" for n in files if n in sums and sums[n] != files[n]]
+        differ += [f"{n} is missing" for n in files if n not in sums]
+        differ += [f"{n} was not read by the analysis" for n in sums if n not in files]
+        detail = ", ".join(differ)
+    else:
+        detail = f"sha256 {checksum(path, sums)}, but {source} recorded {meta['input_sha256']}"
+    raise NotReplayed(f"input {path} ({where}) is not the data the analysis read: {detail}")
+
+
+def _load(source: Path) -> WorldState:
+    try:
+        return WorldState.load(source)
+    except ValueError as e:
+        raise NotReplayed(str(e)) from None
 
 
 def _scratch(workdir: str | Path | None) -> tuple[Path, bool]:
@@ -263,11 +292,13 @@ def _scratch(workdir: str | Path | None) -> tuple[Path, bool]:
     return path, False
 
 
-def _replay_config(recorded: WorldState, source: Path, workdir: Path, n_calls: int) -> RunConfig:
-    """The run that repeats the record: same input, sample, seed and context, in ``workdir``."""
+def _replay_config(
+    recorded: WorldState, source: Path, input_path: Path, workdir: Path, n_calls: int
+) -> RunConfig:
+    """The run that repeats the record: same input data, sample, seed and context, in ``workdir``."""
     meta = recorded.meta
     return RunConfig(
-        input=meta["input"],
+        input=input_path,
         outdir=workdir,
         policy="replay",
         world_state=source,
@@ -279,60 +310,89 @@ def _replay_config(recorded: WorldState, source: Path, workdir: Path, n_calls: i
     )
 
 
-def replay(
-    world_state: str | Path, workdir: str | Path | None = None, tol: Tolerance = Tolerance()
-) -> dict[str, Any]:
-    """Replay one world state; returns the replay.json document."""
+def _rerun(
+    recorded: WorldState, source: Path, input_path: Path, scratch: Path, tol: Tolerance
+) -> tuple[str, str | None, list[StepComparison]]:
+    """Re-issue the recorded successful calls in ``scratch``; (replay status, crash, comparisons)."""
     from agent.runner import run_sample
 
-    source = Path(world_state)
-    try:
-        recorded = WorldState.load(source)
-    except ValueError as e:
-        raise ReplayError(str(e)) from None
-    input_path = check_input(recorded, source)
     calls = [e for e in recorded.entries if e.status == "ok"]
+    problem = None
+    try:
+        status = run_sample(_replay_config(recorded, source, input_path, scratch, len(calls)))
+    except Exception as e:  # a crash is a divergence to report, not a reason to lose it
+        status, problem = "failed", f"{type(e).__name__}: {e}"
+    state_file = SampleLayout(scratch).record
+    replayed = WorldState.load(state_file).entries if state_file.is_file() else []
+    dirs = (source.parent.resolve(), scratch.resolve())
+    relocate = (str(dirs[1]), str(dirs[0]))
+    steps = [
+        compare_step(
+            old,
+            replayed[i] if i < len(replayed) else None,
+            tol,
+            dirs,
+            relocate,
+            check_before=i == 0 or calls[i - 1].digest_after != old.digest_before,
+        )
+        for i, old in enumerate(calls)
+    ]
+    return status, problem, steps
+
+
+def replay(
+    world_state: str | Path,
+    workdir: str | Path | None = None,
+    tol: Tolerance = Tolerance(),
+    input_path: str | Path | None = None,
+) -> dict[str, Any]:
+    """Replay one world state; returns the replay.json document. A record that cannot be read,
+    or whose input is missing or changed, gives the verdict "not replayed"; a record that fails
+    its integrity check (agent/integrity.py) "altered at step k" ("altered": meta), whatever
+    the replay found, which the document keeps."""
+    source = Path(world_state)
     scratch, remove = _scratch(workdir)
     started, t0 = now(), time.perf_counter()
+    recorded, problems, note, reason = WorldState(), [], None, None
+    status, crash, steps = None, None, []
     try:
-        problem = None
         try:
-            status = run_sample(_replay_config(recorded, source, scratch, len(calls)))
-        except Exception as e:  # a crash is a divergence to report, not a reason to lose it
-            status, problem = "failed", f"{type(e).__name__}: {e}"
-        state_file = SampleLayout(scratch).record
-        replayed = WorldState.load(state_file).entries if state_file.is_file() else []
-        dirs = (source.parent.resolve(), scratch.resolve())
-        relocate = (str(dirs[1]), str(dirs[0]))
-        steps = [
-            compare_step(
-                old,
-                replayed[i] if i < len(replayed) else None,
-                tol,
-                dirs,
-                relocate,
-                check_before=i == 0 or calls[i - 1].digest_after != old.digest_before,
-            )
-            for i, old in enumerate(calls)
-        ]
+            recorded = _load(source)
+            problems = check_record(recorded, source.parent)
+            note = NO_CHAIN if unchained(recorded) else None
+            input_path = check_input(recorded, source, input_path)
+            status, crash, steps = _rerun(recorded, source, input_path, scratch, tol)
+        except NotReplayed as e:
+            reason = str(e)
     finally:
         if remove:
             shutil.rmtree(scratch, ignore_errors=True)
+    meta = recorded.meta
     text, step, summary = verdict(steps)
-    digest_versions = {"recorded": recorded.meta.get("digest_version", 1), "replay": DIGEST_VERSION}
-    if step is not None and digest_versions["recorded"] != DIGEST_VERSION:
+    digest_versions = {"recorded": meta.get("digest_version", 1), "replay": DIGEST_VERSION}
+    if reason:
+        text, summary = "not replayed", f"not replayed: {reason}"
+    elif step is not None and digest_versions["recorded"] != DIGEST_VERSION:
         summary += (
             f"; the record's data digests are of digest version {digest_versions['recorded']}, "
             f"this replay's of version {DIGEST_VERSION}: digests cannot match"
         )
-    if problem and step is None:  # every call matched, then the run broke (e.g. writing the record)
-        step = calls[-1].step if calls else None
+    elif crash and step is None:  # every call matched, then the run broke (e.g. writing the record)
+        step = steps[-1].step if steps else None
         text = f"diverged at step {step}" if step else "diverged"
-        summary = f"the replay crashed after its last call: {problem}"
+        summary = f"the replay crashed after its last call: {crash}"
+    if problems:
+        step = problems[0].step  # by step, meta last
+        text = f"altered at step {step}" if step is not None else "altered"
+        replay_said = summary if summary.startswith(text) else f"{text}; {summary}"
+        summary = f"{'; '.join(p.what for p in problems)} (the replay: {replay_said})"
+    if note:
+        summary += f"; {note}"
     return {
         "verdict": text,
         "diverged_step": step,
         "summary": summary,
+        "integrity": [{"step": p.step, "what": p.what} for p in problems],
         "tolerance": {
             "rtol": tol.rtol,
             "atol": tol.atol,
@@ -341,19 +401,19 @@ def replay(
             "with the same rule where both exist, else count as diverged",
         },
         "world_state": str(source.resolve()),
-        "sample": recorded.meta.get("sample"),
-        "input": str(input_path),
-        "input_sha256": recorded.meta["input_sha256"],
+        "sample": meta.get("sample"),
+        "input": str(input_path) if input_path else meta.get("input"),
+        "input_sha256": meta.get("input_sha256"),
         "digest_versions": digest_versions,
-        "recorded_status": recorded.meta.get("status"),
+        "recorded_status": meta.get("status"),
         "replay_status": status,
-        "replay_error": problem,
+        "replay_error": crash,
         "recorded_steps": len(recorded.entries),
-        "replayed_calls": len(calls),
+        "replayed_calls": len(steps),
         "workdir": None if remove else str(scratch),
         "started": started,
         "seconds": round(time.perf_counter() - t0, 3),
-        "versions": {"recorded": recorded.meta.get("versions"), "replay": versions()},
+        "versions": {"recorded": meta.get("versions"), "replay": versions()},
         "steps": [_step_json(s) for s in steps],
     }
 
@@ -372,6 +432,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-state", required=True, help="the recorded world_state.json")
     p.add_argument("--out", help="where to write replay.json (default: beside the world state)")
     p.add_argument(
+        "--input",
+        help="the input to replay on, when it has moved since the analysis (default: meta.input); "
+        "its content must be that of the recorded input",
+    )
+    p.add_argument(
         "--workdir",
         help="empty scratch folder for the replay's outputs, kept afterwards "
         "(default: a temporary folder, removed)",
@@ -381,17 +446,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Exit status: 0 reproduced or within tolerance; 1 diverged, crashed or altered (findings,
+    in replay.json); 3 not replayed (unreadable record, input missing or changed; replay.json
+    says why); 2 usage errors (tolerances, a non-empty --workdir), nothing written; 128+N stopped
+    by signal N, nothing written."""
     if args.rtol < 0 or args.atol < 0:
         print(
             f"error: tolerances must be >= 0 (rtol={args.rtol}, atol={args.atol})", file=sys.stderr
         )
         return 2
     try:
-        doc = replay(args.world_state, args.workdir, Tolerance(args.rtol, args.atol))
+        with interruptible():  # SIGTERM: the scratch folder is removed on the way out
+            doc = replay(
+                args.world_state, args.workdir, Tolerance(args.rtol, args.atol), args.input
+            )
     except ReplayError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"replay of {args.world_state}: {e}; nothing written", file=sys.stderr)
+        return e.exit_code
     out = Path(args.out) if args.out else SampleLayout(Path(args.world_state).parent).replay
     atomic_write_json(out, doc, indent=True)
     print(f"{doc['sample']}: {doc['verdict']} ({doc['summary']}); wrote {out}")
-    return 1 if doc["diverged_step"] is not None or doc["replay_error"] else 0
+    if doc["verdict"] == "not replayed":
+        return 3
+    return 1 if doc["integrity"] or doc["diverged_step"] is not None or doc["replay_error"] else 0

@@ -1,30 +1,146 @@
-"""Picking up an interrupted run: its unfinished record, its data, and its metrics rows."""
+"""What a new run of a sample does with the record an earlier run left in its folder.
+
+- none, or ``--fresh``: a new analysis (``--fresh`` first moves the earlier one to
+  ``previous/<started>/``, so nothing finished is lost);
+- a record that ended with a result (finished, or stopped after repeated failures, or at a step
+  limit this run does not raise) on the same input with the same settings: kept as it is;
+- an unfinished record (running when killed, failed, interrupted, or stopped at a step limit this
+  run raises) on the same input with the same settings: resumed from its newest usable checkpoint;
+- any other input or setting: refused, naming it (redoing or mixing analyses takes ``--fresh``,
+  or ``--replace-changed``, which the workflow passes: an edited sheet or input asks for it).
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import shutil
+from pathlib import Path
+from typing import Any, Literal
 
+from agent.integrity import check_record
 from agent.layout import SampleLayout
 from agent.provenance import now
 from agent.registry import ToolRegistry
 from agent.world_state import WorldState
 
+# What decides an analysis, besides its code: a record is kept or resumed only under the same.
+SETTINGS = ("sample", "input_sha256", "policy", "seed", "brief")
+RESULTS = ("finished", "repeated_failures")  # ended with the analysis' own result
 
-def resume_point(layout: SampleLayout, input_sha256: str, fresh: bool) -> WorldState | None:
-    """The unfinished record of an earlier run of this sample on the same input, if any."""
+Action = Literal["new", "keep", "resume"]
+
+
+class CannotReuse(Exception):
+    """The folder holds a record this run must not keep, resume or overwrite unasked."""
+
+
+def differences(meta: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    return [
+        f"{key} {meta.get(key)!r} (this run: {wanted[key]!r})"
+        for key in wanted
+        if meta.get(key) != wanted[key]
+    ]
+
+
+def refuse_other_settings(
+    layout: SampleLayout, meta: dict[str, Any], wanted: dict[str, Any]
+) -> None:
+    differ = differences(meta, wanted)
+    if differ:
+        raise CannotReuse(
+            f"{layout.record_copy} holds an analysis of this sample ({meta.get('status')}) made "
+            f"with other settings: {'; '.join(differ)}. Rerun with the same settings to keep or "
+            "resume it, or with --fresh to start over (the earlier analysis is moved to "
+            f"{layout.root / 'previous'}/)"
+        )
+
+
+def ended_with_finish(world: WorldState) -> bool:
+    """A run killed after `finish` succeeded but before its record said so is finished."""
+    last = world.entries[-1] if world.entries else None
+    return last is not None and last.tool == "finish" and last.status == "ok"
+
+
+def plan(
+    layout: SampleLayout,
+    wanted: dict[str, Any],
+    max_steps: int,
+    fresh: bool = False,
+    replace_changed: bool = False,
+) -> tuple[Action, WorldState | None]:
+    """What to do with the folder's earlier record (see the module's docstring);
+    ``replace_changed``: start over instead of refusing other settings."""
     path = layout.record_copy
     if fresh or not path.exists():
-        return None
+        set_aside(layout)
+        return "new", None
     try:
         earlier = WorldState.load(path)
     except ValueError as e:  # writes are atomic, so only outside damage does this
-        raise SystemExit(
+        raise CannotReuse(
             f"cannot resume: {e}; rerun with --fresh to start this sample over"
         ) from None
-    if earlier.meta.get("status") == "finished" or earlier.meta.get("input_sha256") != input_sha256:
-        return None
-    return earlier
+    problems = check_record(earlier, layout.root, final=False)
+    if problems:  # never build on, or keep, a record edited since it was written
+        raise CannotReuse(
+            f"{path} was altered: {'; '.join(p.what for p in problems)}; rerun with --fresh to "
+            "start this sample over"
+        )
+    if replace_changed and differences(earlier.meta, wanted):
+        set_aside(layout)
+        return "new", None
+    refuse_other_settings(layout, earlier.meta, wanted)
+    status = earlier.meta.get("status")
+    if (
+        status in RESULTS
+        or ended_with_finish(earlier)
+        or (status == "step_limit" and earlier.next_step > max_steps)
+    ):
+        return "keep", earlier
+    return "resume", earlier
+
+
+def set_aside(layout: SampleLayout) -> None:
+    """Before a new analysis: move an earlier one's published files and record to
+    ``previous/<its start time>/`` and drop its checkpoints (a new run must never restore them)."""
+    copies = {layout.record: layout.record_copy, layout.metrics: layout.metrics_copy}
+    found = [p for p in [*layout.kept_results(), *copies.values()] if p.exists()]
+    if found:
+        try:
+            stamp = WorldState.load(layout.record_copy).meta.get("started") or now()
+        except ValueError:  # a damaged record is kept too, under the time it was set aside
+            stamp = now()
+        target = layout.previous(stamp.replace(":", ""))
+        while target.exists():
+            target = target.with_name(target.name + "+")
+        target.mkdir(parents=True)
+        for p in found:
+            if p in copies and _same_file(p, copies[p]):
+                p.unlink()  # a link of the copy, which is moved
+            elif not (target / p.name).exists():
+                shutil.move(p, target / p.name)
+    if layout.checkpoints.is_dir():
+        for p in layout.checkpoints.iterdir():
+            if SampleLayout.checkpoint_step(p) is not None:
+                p.unlink()
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def publish_kept(layout: SampleLayout) -> None:
+    """Publish a kept record and its metrics again (Snakemake deletes a rerun job's outputs): the
+    very files, linked, so bytes and modification times are those of the original run."""
+    for copy, name in ((layout.record_copy, layout.record), (layout.metrics_copy, layout.metrics)):
+        if copy.exists() and not _same_file(copy, name):
+            tmp = name.with_name(f".{name.name}.link")
+            tmp.unlink(missing_ok=True)
+            os.link(copy, tmp)
+            os.replace(tmp, name)
 
 
 def catch_up(world: WorldState, session: Any, registry: ToolRegistry) -> dict[str, Any]:
@@ -59,3 +175,12 @@ def keep_metrics(layout: SampleLayout, fresh: bool) -> None:
     kept.touch()
     path.unlink(missing_ok=True)
     os.link(kept, path)
+
+
+def remove_temporary(layout: SampleLayout) -> None:
+    """Temporary files of writes a killed run left half done (hidden, next to their target); only
+    called under the folder's lock, so no live writer owns them."""
+    for folder in (layout.root, layout.checkpoints, layout.plots):
+        for p in folder.glob(".*") if folder.is_dir() else ():
+            if p.is_file() and p != layout.lock:
+                p.unlink(missing_ok=True)

@@ -6,48 +6,118 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import stat
 import sys
+from typing import Any
 
 from pydantic import ValidationError
 
 from agent.config import RunConfig
 from agent.context import ContextManager, TokenCounter, tokenizer_estimate
+from agent.lock import FolderBusy, FolderLock
 from agent.loop import run_loop
 from agent.policies import make_policy
 from agent.policies.base import PolicyUnavailable
 from agent.prompts import BRIEF, RESUMED, SYSTEM_PROMPT
-from agent.provenance import checksum, now, versions
-from agent.resume import catch_up, keep_metrics, resume_point
+from agent.provenance import checksum, input_checksums, now, versions
+from agent.registry import InfrastructureError
+from agent.resume import (
+    CannotReuse,
+    catch_up,
+    ended_with_finish,
+    keep_metrics,
+    plan,
+    publish_kept,
+    refuse_other_settings,
+    remove_temporary,
+)
+from agent.signals import Interrupted, interruptible
 from agent.world_state import WorldState
 
 
+class BadInput(Exception):
+    """The input cannot be analysed at all (missing, or not a file or folder)."""
+
+
+def check_input(config: RunConfig) -> None:
+    path = config.input
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise BadInput(
+            f"input {path} does not exist (expected a 10x folder, .h5 or .h5ad)"
+        ) from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # reading a FIFO or device never ends
+        raise BadInput(
+            f"input {path} is not a regular file or folder (expected a 10x folder, .h5 or .h5ad)"
+        )
+
+
 def run_sample(config: RunConfig) -> str:
-    """Run (or resume) one sample's analysis; returns how the loop ended ("finished",
-    "step_limit", "repeated_failures"). The record says the same, and why."""
+    """Run, resume or keep one sample's analysis; returns how it ended ("finished", "step_limit",
+    "repeated_failures"). The record says the same, and why. Raises FolderBusy, CannotReuse,
+    BadInput (nothing was started) and PolicyUnavailable, InfrastructureError, Interrupted
+    (the record says so; a rerun resumes)."""
+    check_input(config)
+    layout = config.layout
+    with FolderLock(layout.lock) as lock:
+        if lock.previous:
+            print(
+                f"[{config.sample_name}] took over the lock of a run that ended without "
+                f"letting go: {lock.previous}",
+                file=sys.stderr,
+            )
+        remove_temporary(layout)
+        try:
+            sums = input_checksums(config.input)
+        except OSError as e:
+            raise InfrastructureError(f"cannot read input {config.input}: {e}") from e
+        wanted = {
+            "sample": config.sample_name,
+            "input_sha256": checksum(config.input, sums),
+            "policy": config.policy,
+            "seed": config.seed,
+            "brief": config.brief,
+        }
+        action, world = plan(layout, wanted, config.max_steps, config.fresh, config.replace_changed)
+        if action == "keep":
+            return _keep(world, layout)
+        if world is None:
+            world = WorldState(
+                meta={
+                    **wanted,
+                    "input": str(config.input.resolve()),
+                    "input_files": sums,
+                    "started": now(),
+                    "resumed": [],
+                }
+            )
+        keep_metrics(layout, fresh=action == "new")
+        return _run(config, world, layout)
+
+
+def _keep(world: WorldState, layout: Any) -> str:
+    meta = world.meta
+    if ended_with_finish(world) and meta.get("status") != "finished":
+        # killed after `finish` succeeded, before the record said so: the analysis is complete
+        meta.update(status="finished", ended=now())
+        meta.pop("error", None)
+        world.save_record(layout)
+    publish_kept(layout)
+    print(
+        f"[{meta['sample']}] kept the analysis already in {layout.root} ({meta['status']}, "
+        f"{len(world.entries)} steps, ended {meta.get('ended')}); --fresh redoes it",
+        file=sys.stderr,
+    )
+    return meta["status"]
+
+
+def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
     from agent.tools import build_registry
     from agent.tools.session import DIGEST_VERSION, Session
 
-    layout = config.layout
-    layout.root.mkdir(parents=True, exist_ok=True)
-    if not config.input.exists():
-        raise SystemExit(
-            f"input {config.input} does not exist (expected a 10x folder, .h5 or .h5ad)"
-        )
-    sample = config.sample_name
-    input_sha256 = checksum(config.input)
-    world = resume_point(layout, input_sha256, config.fresh)
-    keep_metrics(layout, fresh=world is None)
-    if world is None:
-        world = WorldState(
-            meta={
-                "sample": sample,
-                "input": str(config.input.resolve()),
-                "input_sha256": input_sha256,
-                "started": now(),
-                "resumed": [],
-            }
-        )
-    meta = world.meta
+    sample, meta = config.sample_name, world.meta
+    recorded_model = meta.get("model") if world.entries else None
     meta.update(
         policy=config.policy,
         model=None,
@@ -62,21 +132,26 @@ def run_sample(config: RunConfig) -> str:
     )
     meta.pop("error", None)
     registry = build_registry()
-    setup = make_policy(config, registry)
-    meta.update(setup.meta)
-    meta["context_limit"] = setup.context_limit or config.context_limit
-    context = ContextManager(
-        SYSTEM_PROMPT,
-        registry.schemas(),
-        meta["context_limit"],
-        completion_reserve=config.max_tokens,
-        counter=TokenCounter(tokenizer_estimate(setup.tokenizer)),
-    )
-    context.add_user(
-        BRIEF.format(sample=sample, input=config.input.name, brief=config.brief or "")
-    )
-    session = Session(layout.root, seed=config.seed, input_path=config.input)
+    context = None
     try:
+        setup = make_policy(config, registry)
+        if recorded_model is not None:  # the same model must go on with a resumed analysis
+            refuse_other_settings(
+                layout, {"model": recorded_model}, {"model": setup.meta.get("model")}
+            )
+        meta.update(setup.meta)
+        meta["context_limit"] = setup.context_limit or config.context_limit
+        context = ContextManager(
+            SYSTEM_PROMPT,
+            registry.schemas(),
+            meta["context_limit"],
+            completion_reserve=config.max_tokens,
+            counter=TokenCounter(tokenizer_estimate(setup.tokenizer)),
+        )
+        context.add_user(
+            BRIEF.format(sample=sample, input=config.input.name, brief=config.brief or "")
+        )
+        session = Session(layout.root, seed=config.seed, input_path=config.input)
         if world.entries:
             resumed = catch_up(world, session, registry)
             meta["resumed"].append(resumed)
@@ -91,7 +166,17 @@ def run_sample(config: RunConfig) -> str:
         status = run_loop(
             setup.policy, registry, session, world, context, layout, max_steps=config.max_steps
         )
-    except BaseException as e:  # the record must say how the run ended, whatever ended it
+    except CannotReuse:
+        raise  # the record is as it was: nothing of this run was recorded
+    except Interrupted as e:  # the record must say how the run ended, whatever ended it
+        meta.update(
+            status="interrupted",
+            error=f"{e} after step {world.next_step - 1}; a rerun resumes",
+            ended=now(),
+        )
+        world.save_record(layout)
+        raise
+    except BaseException as e:
         meta.update(status="failed", error=f"{type(e).__name__}: {e}", ended=now())
         world.save_record(layout)
         raise
@@ -108,9 +193,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """0 when the run ended with a complete record, even an unfinished analysis (a bad input is
-    the sample's result, shown as failed in the report; rerunning would not change it); non-zero
-    when something outside the analysis broke it (server gone, crash): a retry resumes it."""
+    """Exit status: 0 when the run ended with a complete record, even an unfinished analysis (a
+    bad input is the sample's result, shown as failed in the report; rerunning would not change
+    it); 1 when something outside the analysis broke it (server gone, I/O error, folder busy):
+    a retry resumes it; 2 when it was refused before starting (options, input, an earlier record
+    with other settings); 128+N when signal N stopped it (the record says so; a rerun resumes)."""
     try:
         config = RunConfig.from_args(args)
     except ValidationError as e:
@@ -121,15 +208,22 @@ def main(args: argparse.Namespace) -> int:
         )
         print(f"agent run: {problems}", file=sys.stderr)
         return 2
+    name = config.sample_name
     try:
-        status = run_sample(config)
-    except PolicyUnavailable as e:  # the record says so too; a rerun resumes
-        print(f"{config.sample_name}: {e}", file=sys.stderr)
+        with interruptible():
+            status = run_sample(config)
+    except (BadInput, CannotReuse) as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
+    except (PolicyUnavailable, InfrastructureError, FolderBusy, OSError) as e:  # a rerun resumes
+        print(f"{name}: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        print(f"{name}: {e}; the record says so and a rerun resumes", file=sys.stderr)
+        return e.exit_code
     if status != "finished":
         print(
-            f"{config.sample_name}: analysis ended without finish ({status}); "
-            f"see {config.layout.record}",
+            f"{name}: analysis ended without finish ({status}); see {config.layout.record}",
             file=sys.stderr,
         )
     return 0

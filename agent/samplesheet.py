@@ -78,7 +78,7 @@ def read_sheet(sheet: Path, schema: dict[str, Any]) -> Sheet:
         raise SampleSheetError(f"sample sheet {sheet} {problem}", sheet, problem=problem)
     columns = schema["properties"]
     integer_columns = {name for name, spec in columns.items() if spec.get("type") == "integer"}
-    with sheet.open(newline="") as handle:
+    with sheet.open(newline="", encoding="utf-8-sig") as handle:  # Excel writes a BOM
         reader = csv.reader(handle, delimiter="\t")
         header = [cell.strip() for cell in next(reader, [])]
         missing = [name for name in schema["required"] if name not in header]
@@ -134,16 +134,20 @@ EXPECTED: dict[str, Callable[[Any, Any], str]] = {
     "exclusiveMaximum": lambda value, rule: f"{value!r} is not less than {rule!r}",
     "pattern": lambda value, rule: f"{value!r} does not match {rule!r}",
     "minLength": lambda value, rule: f"{value!r} is shorter than {rule!r} characters",
-    "maxLength": lambda value, rule: f"{value!r} is longer than {rule!r} characters",
+    "maxLength": lambda value, rule: f"{len(value)} characters, more than the maximum of {rule!r}",
 }
 
 
 def describe(error: jsonschema.ValidationError) -> str:
-    """What is wrong with a cell, from the error's structured fields (never its message)."""
+    """What is wrong with a cell, from the error's structured fields (never its message), with
+    the description of the (sub)schema holding the broken rule: the schema says why."""
     explain = EXPECTED.get(str(error.validator))
     if explain is not None:
-        return explain(error.instance, error.validator_value)
-    return f"{error.instance!r} breaks the schema's {error.validator!r} rule ({error.validator_value!r})"
+        problem = explain(error.instance, error.validator_value)
+    else:
+        problem = f"{error.instance!r} breaks the schema's {error.validator!r} rule ({error.validator_value!r})"
+    why = error.schema.get("description") if isinstance(error.schema, dict) else None
+    return f"{problem} ({' '.join(why.split())})" if why else problem
 
 
 def validate_rows(sheet: Sheet, schema: dict[str, Any]) -> None:

@@ -3,10 +3,15 @@
 The artifact (world_state.json) keeps every entry whole. The rendering for the prompt is never
 truncated by the context manager; it stays small by compacting older entries instead: recent
 calls in full, older ones one line per tool (latest call, how many times), older errors counted.
+
+Each saved entry carries ``chain``, a hash over the previous entry's chain and its own content, and
+a record saved with a final status carries ``meta.seal``, a hash over the last chain and meta: an
+entry altered or removed, or meta edited, afterwards shows (agent/integrity.py checks them).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -36,6 +41,9 @@ class Entry(Outcome):
     digest_after: str | None
     call_id: str | None = None
     checkpoint: str | None = None
+    # Set when the entry is first encoded for saving, or as loaded. Not an argument, so a copy
+    # made with dataclasses.replace (other content) gets its own chain.
+    chain: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """The record's form: the keys in the order records have always had them, and
@@ -47,10 +55,32 @@ class Entry(Outcome):
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Entry:
+        doc = dict(doc)
+        chain = doc.pop("chain", None)
         params = doc.get("params") or {}
         if set(params) == {"_raw"}:  # records before rejected_arguments had its own field
-            doc = {**doc, "params": {}, "rejected_arguments": params["_raw"]}
-        return cls(**doc)
+            doc.update(params={}, rejected_arguments=params["_raw"])
+        entry = cls(**doc)
+        entry.chain = chain
+        return entry
+
+
+def plain(doc: Any) -> Any:
+    """``doc`` as the record reads back (numpy values as JSON numbers, NaN as null): the hashes
+    are of what a reader of the file sees."""
+    return orjson.loads(orjson.dumps(doc, option=_OPTS))
+
+
+def link(previous: str, doc: Any) -> str:
+    """sha256 of ``previous`` (a chain in hex, or "") followed by the canonical JSON (sorted keys)
+    of ``doc``, a plain JSON value."""
+    body = orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(previous.encode() + body).hexdigest()
+
+
+def seal(meta: dict[str, Any], last_chain: str) -> str:
+    """The seal of a record's meta (without its ``seal``) after the entry whose chain is given."""
+    return link(last_chain, plain({k: v for k, v in meta.items() if k != "seal"}))
 
 
 def _short(value: Any, width: int) -> str:
@@ -138,16 +168,28 @@ class WorldState:
         return "\n".join(lines)
 
     def _head(self) -> bytes:
-        head = orjson.dumps({"schema_version": SCHEMA_VERSION, "meta": self.meta}, option=_OPTS)
+        """Schema version and meta, sealed anew when the status is final. Not while running:
+        the loop's step saves must keep one head for RecordWriter to append."""
+        meta = {k: v for k, v in self.meta.items() if k != "seal"}
+        if meta.get("status", "running") != "running":
+            self._encode()
+            meta["seal"] = seal(meta, self.entries[-1].chain if self.entries else "")
+        head = orjson.dumps({"schema_version": SCHEMA_VERSION, "meta": meta}, option=_OPTS)
         return head[:-1] + b',"entries":['
 
+    def _encode(self) -> None:
+        """Encode the entries not encoded yet. Entries are final once saved, so their encoding
+        is kept: a save encodes only the new ones, and each gets its chain then."""
+        for entry in self.entries[len(self._encoded) :]:
+            doc = plain(entry.to_json())
+            if entry.chain is None:  # one loaded keeps its own: an alteration must stay visible
+                previous = self.entries[len(self._encoded) - 1].chain if self._encoded else ""
+                entry.chain = link(previous or "", doc)
+            self._encoded.append(orjson.dumps({**doc, "chain": entry.chain}))
+
     def _chunks(self, start: int = 0) -> list[bytes]:
-        """Entries from `start` on, comma-separated, and the closing brackets. Entries are final
-        once saved, so their encoding is kept: a save encodes only the new ones."""
-        while len(self._encoded) < len(self.entries):
-            self._encoded.append(
-                orjson.dumps(self.entries[len(self._encoded)].to_json(), option=_OPTS)
-            )
+        """Entries from `start` on, comma-separated, and the closing brackets."""
+        self._encode()
         chunks = []
         for i in range(start, len(self._encoded)):
             chunks += [b",", self._encoded[i]] if i else [self._encoded[i]]

@@ -13,14 +13,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from agent.layout import SampleLayout
 from agent.testing.local_server import REPO, launcher_stderr, stop_launcher
 from agent.world_state import WorldState
 from tests.fixtures_vllm import group_alive, start_server, vllm_skip_reason
@@ -57,12 +60,17 @@ def wait_for_steps(outdir: Path, n: int, proc: subprocess.Popen, log: Path) -> N
 
 
 @pytest.fixture(scope="module")
-def baseline(small_input: Path, tmp_path_factory: pytest.TempPathFactory) -> WorldState:
-    """The uninterrupted run every faulty one must reproduce."""
+def baseline_dir(small_input: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the uninterrupted run every faulty one must reproduce (never changed)."""
     outdir = tmp_path_factory.mktemp("baseline")
     done = run(run_cmd(small_input, outdir, sample=SAMPLE))
     assert done.returncode == 0, done.stderr
-    world = WorldState.load(outdir / "world_state.json")
+    return outdir
+
+
+@pytest.fixture(scope="module")
+def baseline(baseline_dir: Path) -> WorldState:
+    world = WorldState.load(baseline_dir / "world_state.json")
     assert world.meta["status"] == "finished"
     return world
 
@@ -262,3 +270,138 @@ def test_killed_snakemake_resumes_with_rerun_incomplete(workflow_dir, baseline, 
     # the rows of the killed attempt were kept (one may be lost if the kill fell between writes)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     assert len(rows) >= len(world.entries) - 1
+
+
+def leftovers(outdir: Path) -> list[str]:
+    """Temporary files of interrupted writes: hidden files (the folder's lock aside) and *.tmp."""
+    return sorted(
+        str(p.relative_to(outdir))
+        for p in outdir.rglob("*")
+        if p.is_file() and p.name != ".lock" and (p.name.startswith(".") or p.suffix == ".tmp")
+    )
+
+
+def test_second_agent_is_refused_and_sigterm_marks_the_record_and_resumes(
+    baseline, small_input, tmp_path
+):
+    """One writer per folder: a second agent on a folder in use (a requeued job beside the old
+    one) refuses, naming the holder. SIGTERM, as Slurm sends at a time limit: the run stops, its
+    record says so, no temporary file is left, the exit status is 128+15, and the rerun resumes to
+    the uninterrupted run's record."""
+    outdir = tmp_path / "out"
+    cmd = run_cmd(small_input, outdir, sample=SAMPLE)
+    log = tmp_path / "first.log"
+    first = start(cmd, log)
+    wait_for_steps(outdir, 10, first, log)
+    second = run(cmd)
+    assert second.returncode == 1, second.stderr
+    assert f"is being written by another run (pid {first.pid} on " in second.stderr
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(60) == 128 + signal.SIGTERM, read(log)
+    world = WorldState.load(outdir / "checkpoints" / "world_state.json")
+    assert world.meta["status"] == "interrupted", world.meta
+    assert world.meta["error"].startswith("stopped by SIGTERM after step "), world.meta
+    assert leftovers(outdir) == []
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr
+    assert "resuming after step" in done.stderr
+    world = WorldState.load(outdir / "world_state.json")
+    assert world.meta["status"] == "finished" and facts(world) == facts(baseline)
+
+
+def test_rerun_keeps_a_finished_analysis_refuses_other_settings_and_fresh_sets_it_aside(
+    baseline_dir, small_input, tmp_path
+):
+    outdir = tmp_path / "out"
+    shutil.copytree(baseline_dir, outdir)
+    record = (outdir / "world_state.json").read_bytes()
+    for name in ("world_state.json", "metrics.jsonl"):  # a rerun job's outputs: Snakemake deletes
+        (outdir / name).unlink()
+    cmd = run_cmd(small_input, outdir, sample=SAMPLE)
+    kept = run(cmd)
+    assert kept.returncode == 0 and "kept the analysis" in kept.stderr, kept.stderr
+    assert (outdir / "world_state.json").read_bytes() == record
+    assert (outdir / "metrics.jsonl").read_bytes() == (baseline_dir / "metrics.jsonl").read_bytes()
+
+    other = run([*cmd, "--seed", "1"])
+    assert other.returncode == 2, other.stderr
+    assert "made with other settings: seed 0 (this run: 1)" in other.stderr
+    assert (outdir / "world_state.json").read_bytes() == record
+
+    fresh = run([*cmd, "--seed", "1", "--fresh", "--max-steps", "3"])
+    assert fresh.returncode == 0, fresh.stderr
+    [previous] = (outdir / "previous").iterdir()
+    assert (previous / "world_state.json").read_bytes() == record
+    assert {"metrics.jsonl", "adata.h5ad", "plots"} <= {p.name for p in previous.iterdir()}
+    steps = [SampleLayout.checkpoint_step(p) for p in (outdir / "checkpoints").glob("step_*")]
+    assert steps and max(steps) <= 3  # the old run's checkpoints went with it
+    world = WorldState.load(outdir / "world_state.json")
+    assert world.meta["seed"] == 1 and len(world.entries) == 3
+
+
+def test_run_killed_after_finish_is_kept_as_finished(baseline_dir, baseline, small_input, tmp_path):
+    """A kill between `finish` and the record's last save leaves a complete analysis whose record
+    says running: the next start completes the record instead of throwing the analysis away."""
+    outdir = tmp_path / "out"
+    shutil.copytree(baseline_dir, outdir)
+    copy = outdir / "checkpoints" / "world_state.json"
+    doc = json.loads(copy.read_text())
+    doc["meta"].update(status="running", ended=None)
+    doc["meta"].pop("seal", None)
+    copy.write_text(json.dumps(doc))  # as the loop's save after the finish step left it
+    (outdir / "world_state.json").unlink()
+    done = run(run_cmd(small_input, outdir, sample=SAMPLE))
+    assert done.returncode == 0 and "kept the analysis" in done.stderr, done.stderr
+    world = WorldState.load(outdir / "world_state.json")
+    assert world.meta["status"] == "finished" and world.meta["ended"]
+    assert facts(world) == facts(baseline)
+
+
+def test_io_error_ends_the_run_for_a_retry_and_is_no_result(baseline, small_input, tmp_path):
+    """An EIO while reading the input is the machine's fault, not the data's: no error entry, the
+    record says failed with the reason, exit 1 (Snakemake retries), and the retry finishes."""
+    outdir, marker = tmp_path / "out", tmp_path / "eio-happened"
+    cmd = run_cmd(small_input, outdir, sample=SAMPLE, module="tests.eio_agent")
+    env = {**ENV, "EIO_ONCE": str(marker)}
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 1 and marker.exists(), first.stderr
+    assert "Input/output error" in first.stderr and "Traceback" not in first.stderr
+    world = WorldState.load(outdir / "checkpoints" / "world_state.json")
+    assert world.meta["status"] == "failed" and "Input/output error" in world.meta["error"]
+    assert world.entries == []  # nothing of the analysis was recorded as its result
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert facts(WorldState.load(outdir / "world_state.json")) == facts(baseline)
+
+
+def test_sigterm_to_a_replay_removes_its_scratch_folder(baseline_dir, tmp_path):
+    scratch_parent = tmp_path / "tmp"
+    scratch_parent.mkdir()
+    log = tmp_path / "replay.log"
+    record = baseline_dir / "world_state.json"
+    out = tmp_path / "replay.json"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "agent",
+                "replay",
+                "--world-state",
+                str(record),
+                "--out",
+                str(out),
+            ],
+            cwd=REPO,
+            env={**ENV, "TMPDIR": str(scratch_parent)},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    deadline = time.monotonic() + 300
+    while not any(steps_done(d) >= 5 for d in scratch_parent.glob("scagent-replay-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, read(log)
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM, read(log)
+    assert "stopped by SIGTERM; nothing written" in read(log)
+    assert list(scratch_parent.iterdir()) == [] and not out.exists()

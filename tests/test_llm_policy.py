@@ -7,8 +7,11 @@ import time
 import pytest
 
 from agent.context import ContextManager
+from agent.durable import write_private
+from agent.endpoint import KeyRefused, write_endpoint
 from agent.layout import SampleLayout
 from agent.loop import run_loop
+from agent.policies.base import PolicyUnavailable
 from agent.policies.llm import LLMPolicy, ServerUnavailable
 from agent.registry import ToolRegistry
 from agent.world_state import WorldState
@@ -16,7 +19,9 @@ from tests.test_loop import Counter, add, finish
 
 
 def run(server, tmp_path, limit=None, outage_wait=5.0, **kw):
-    policy = LLMPolicy(server.base_url, "scripted", timeout=5, max_retries=3, outage_wait=outage_wait)
+    policy = LLMPolicy(
+        server.base_url, "scripted", timeout=5, max_retries=3, outage_wait=outage_wait
+    )
     reg = ToolRegistry([add, finish])
     ctx = ContextManager(
         "instructions", reg.schemas(), limit or policy.context_limit(), completion_reserve=256
@@ -114,3 +119,96 @@ def test_prompt_too_long_is_learnt_from(scripted_server, tmp_path):
     status, _world, ctx = run(scripted_server, tmp_path, limit=3400, max_steps=20)
     assert status == "finished"
     assert ctx.counter.factor > 1.05
+
+
+def require_key(server, key):
+    """Make the scripted server answer 401 on /v1 to any other bearer key, as vLLM started with
+    an API key does; ``server.api_key`` may be changed later (a rotated key)."""
+    server.api_key = key
+    scripted = server.httpd.RequestHandlerClass
+
+    class Keyed(scripted):
+        def _refused(self):
+            if self.path.startswith("/v1") and (
+                self.headers.get("Authorization") != f"Bearer {server.api_key}"
+            ):
+                self._send(401, {"error": "Unauthorized"})
+                return True
+            return False
+
+        def do_GET(self):
+            if not self._refused():
+                super().do_GET()
+
+        def do_POST(self):
+            if not self._refused():
+                super().do_POST()
+
+    server.httpd.RequestHandlerClass = Keyed
+
+
+def decide(policy):
+    return policy.decide([{"role": "user", "content": "hi"}], [], WorldState())
+
+
+def test_a_refused_key_is_final_at_once(scripted_server, tmp_path):
+    require_key(scripted_server, "right")
+    key_file = tmp_path / "server.key"
+    write_private(key_file, "wrong\n")
+    policy = LLMPolicy(
+        scripted_server.base_url, "scripted", api_key="wrong", key_file=key_file, outage_wait=60
+    )
+    t0 = time.monotonic()
+    with pytest.raises(KeyRefused) as err:
+        decide(policy)
+    assert time.monotonic() - t0 < 5  # not the outage wait
+    assert str(err.value) == (
+        f"server {scripted_server.base_url} refused the API key in {key_file} (chat request "
+        "answered 401): not the server's key; give the server's key file (--api-key-file)"
+    )
+    assert isinstance(err.value, PolicyUnavailable)  # the runner's one line and failed record
+
+
+def test_a_refused_key_reads_the_endpoint_file_again(scripted_server, tmp_path):
+    """A restarted server (same port here) writes its new key; until then a 401 is final."""
+    require_key(scripted_server, "new")
+    endpoint, key_file = tmp_path / "server.json", tmp_path / "server.key"
+
+    def publish(key):
+        write_private(key_file, key + "\n")
+        write_endpoint(
+            endpoint, url=scripted_server.base_url, model="scripted", api_key_file=key_file,
+            max_model_len=8192, flags=[],
+        )  # fmt: skip
+
+    publish("old")
+    policy = LLMPolicy(
+        scripted_server.base_url, "scripted", api_key="old", endpoint_file=endpoint, outage_wait=60
+    )
+    t0 = time.monotonic()
+    with pytest.raises(KeyRefused) as err:
+        decide(policy)
+    assert time.monotonic() - t0 < 5
+    assert f"refused the API key in {key_file} (chat request answered 401)" in str(err.value)
+    assert f"{endpoint} does not name it; rerun once" in str(err.value)
+    publish("new")
+    scripted_server.script = [{"tool": "finish", "arguments": "{}"}]
+    assert [c.name for c in decide(policy).calls] == ["finish"]
+
+
+def test_a_key_refused_after_an_outage_ends_the_wait_at_once(scripted_server):
+    require_key(scripted_server, "k")
+
+    def rotate(body):  # the server goes down and comes back with another key
+        scripted_server.api_key = "rotated"
+        return 503, {"error": {"message": "restarting", "type": "ServiceUnavailable"}}
+
+    scripted_server.answer = rotate
+    policy = LLMPolicy(
+        scripted_server.base_url, "scripted", api_key="k", max_retries=0, outage_wait=60
+    )
+    t0 = time.monotonic()
+    with pytest.raises(KeyRefused, match=r"\(/v1/models answered 401\)") as err:
+        decide(policy)
+    assert time.monotonic() - t0 < 10
+    assert [o["step"] for o in err.value.outages] == [1]  # the wait so far, for the record

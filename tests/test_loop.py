@@ -275,15 +275,16 @@ def test_a_new_process_writes_no_file_it_did_not_write(tmp_path):
 
 
 def test_record_format_and_records_written_before_rejected_arguments(tmp_path):
-    """Entries keep the keys and order records always had; a call refused before it ran adds its
-    arguments as sent, and an older record's params._raw reads back into that field."""
+    """Entries keep the keys and order records always had, then their hash chain; a call refused
+    before it ran adds its arguments as sent, and an older record's params._raw reads back into that field."""
     decisions = Scripted(call("add", '{"n": 99}', 1), call("finish", "{}", 2))
     status, _, _, _ = go(decisions, tmp_path)
     assert status == "finished"
     doc = json.loads((tmp_path / "world_state.json").read_text())
     refused, done = doc["entries"]
     assert list(done) == ["step", "tool", "params", "status", "result", "error", "seconds",
-                          "digest_before", "digest_after", "call_id", "checkpoint"]  # fmt: skip
+                          "digest_before", "digest_after", "call_id", "checkpoint",
+                          "chain"]  # fmt: skip
     assert refused["params"] == {} and refused["rejected_arguments"] == '{"n": 99}'
     old = {k: v for k, v in refused.items() if k != "rejected_arguments"}
     old["params"] = {"_raw": '{"n": 99}'}

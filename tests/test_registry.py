@@ -1,9 +1,10 @@
+import errno
 from typing import Annotated, Literal
 
 import pytest
 from pydantic import Field
 
-from agent.registry import ToolError, ToolRegistry, tool
+from agent.registry import InfrastructureError, ToolError, ToolRegistry, tool
 
 
 class Toy(dict):
@@ -179,3 +180,28 @@ def test_prerequisites_are_checked_and_success_is_marked_whoever_calls():
     session.done.add("pca")
     neighbors(session)
     assert session.done == {"pca", "neighbors"}
+
+
+def test_a_fault_of_the_machine_is_raised_not_recorded_as_the_calls_result():
+    """EIO, a full disk or exhausted memory are no result of the analysis (a retry resumes); a
+    missing file named by the model is the call's own mistake, recorded for the model to read."""
+
+    @tool("io", mutates=False)
+    def read_it(session: object, what: str = "eio") -> dict:
+        """Read something."""
+        try:
+            if what == "eio":
+                raise OSError(errno.EIO, "Input/output error", "/data/x.h5ad")
+            if what == "memory":
+                raise MemoryError()
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/x.h5ad")
+        except OSError as e:  # as tools do: a readable message, the cause kept as context
+            raise ToolError(f"could not read /data/x.h5ad: {e}") from None
+
+    registry = ToolRegistry([read_it])
+    with pytest.raises(InfrastructureError, match=r"read_it: OSError: \[Errno 5\]"):
+        registry.call("read_it", {"what": "eio"}, object())
+    with pytest.raises(InfrastructureError, match="MemoryError"):
+        registry.call("read_it", {"what": "memory"}, object())
+    missing = registry.call("read_it", {"what": "enoent"}, object())
+    assert missing.status == "error" and "No such file" in missing.error

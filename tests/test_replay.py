@@ -1,5 +1,6 @@
-"""Replay: a real reference run reproduces exactly, a hand-edited parameter diverges at its step,
-a changed input is refused; and the comparison rules on their own."""
+"""Replay: a real reference run reproduces exactly, also from a moved input; a hand-edited record
+is caught at the step edited; an edited parameter in a record made whole again diverges at its
+step; a missing or changed input is not replayed; and the comparison rules on their own."""
 
 from __future__ import annotations
 
@@ -13,24 +14,43 @@ import pytest
 from scipy import sparse
 
 from agent.cli import main as cli
+from agent.integrity import check_record
+from agent.layout import SampleLayout
+from agent.provenance import checksum, input_checksums
 from agent.replay import (
+    NotReplayed,
     StepComparison,
     Tolerance,
+    check_input,
     compare_step,
     compare_values,
     verdict,
 )
+from agent.report.html import verdict_class
 from agent.world_state import Entry, WorldState
 
 
-def edited_copy(world_state: Path, folder: Path, edit) -> Path:
-    """A copy of a world state in its own folder, changed by ``edit(doc)``."""
+def edited_copy(world_state: Path, folder: Path, edit, reseal: bool = False) -> Path:
+    """A copy of a sample's record and final data in their own folder, the record changed by
+    ``edit(doc)``; ``reseal``: its chain and seal made whole again, as a forger would."""
     folder.mkdir(parents=True)
+    shutil.copy(world_state.parent / "adata.h5ad", folder / "adata.h5ad")
     doc = orjson.loads(world_state.read_bytes())
     edit(doc)
     target = folder / "world_state.json"
     target.write_bytes(orjson.dumps(doc))
+    if reseal:
+        world = WorldState.load(target)
+        for e in world.entries:
+            e.chain = None
+        world.save_record(SampleLayout(folder))
     return target
+
+
+def replay_cli(tmp_path: Path, edited: Path, *args: str) -> tuple[int, dict]:
+    out = tmp_path / "replay.json"
+    code = cli(["replay", "--world-state", str(edited), "--out", str(out), *args])
+    return code, orjson.loads(out.read_bytes())
 
 
 def test_reference_run_is_reproduced(demo_run, demo_replay):
@@ -42,6 +62,90 @@ def test_reference_run_is_reproduced(demo_run, demo_replay):
     assert all(s["comparison"] == "identical" for s in demo_replay["steps"])
     assert demo_replay["input_sha256"] == recorded.meta["input_sha256"]
     assert demo_replay["tolerance"]["rtol"] > 0 and demo_replay["workdir"] is None
+    assert demo_replay["integrity"] == [] and "hash chain" not in demo_replay["summary"]
+
+
+def _without(step: int):
+    return lambda doc: doc["entries"].pop(step - 1)
+
+
+def _conclusion(doc):
+    doc["entries"][-1]["params"]["conclusion"] = "Ten clusters, all of them T cells."
+
+
+def _seed(doc):
+    doc["meta"]["seed"] += 1
+
+
+def _final_data(folder: Path) -> None:
+    adata = ad.read_h5ad(folder / "adata.h5ad")
+    adata[1:].copy().write_h5ad(folder / "adata.h5ad")  # one cell less
+
+
+# tampering: (step of the first problem found, "last" meaning the finish step; what it says)
+TAMPERING = {
+    "finish": ("last", "the record says finished but has no successful finish"),
+    "middle": (8, "step 8 is missing (step 7 is followed by step 9)"),
+    "conclusion": ("last", "entry of step {last} (finish) was altered"),
+    "meta": (None, "meta was altered or the last entry removed"),
+    "final data": ("last", "adata.h5ad is not the data step {last} (finish) wrote"),
+}
+
+
+@pytest.mark.parametrize("tamper", [*TAMPERING, "nothing"])
+def test_tampering_is_caught_at_its_step(demo_run, tmp_path, tamper):
+    n = len(WorldState.load(demo_run.world_state).entries)
+    edit = {
+        "finish": _without(n),
+        "middle": _without(8),
+        "conclusion": _conclusion,
+        "meta": _seed,
+    }.get(tamper, lambda doc: None)
+    edited = edited_copy(demo_run.world_state, tmp_path / "s", edit)
+    if tamper == "final data":
+        _final_data(edited.parent)
+    problems = check_record(WorldState.load(edited), edited.parent)
+    if tamper == "nothing":
+        assert problems == []
+        return
+    at, what = TAMPERING[tamper]
+    assert problems[0].step == (n if at == "last" else at), problems
+    assert what.format(last=n) in problems[0].what, problems
+
+
+def test_altered_record_is_replayed_and_says_where(demo_run, tmp_path, capsys):
+    """A deleted middle step is named, not the step after it, and the calls are still compared."""
+    edited = edited_copy(demo_run.world_state, tmp_path / "s", _without(8))
+    code, doc = replay_cli(tmp_path, edited)
+    assert code == 1
+    assert (doc["verdict"], doc["diverged_step"]) == ("altered at step 8", 8)
+    assert doc["summary"].startswith("step 8 is missing (step 7 is followed by step 9)")
+    assert "(the replay: " in doc["summary"] and doc["steps"] and doc["replay_status"]
+    assert doc["integrity"][0] == {
+        "step": 8,
+        "what": "step 8 is missing (step 7 is followed by step 9)",
+    }
+    assert verdict_class(doc["verdict"]) == "bad"
+    assert "altered at step 8" in capsys.readouterr().out
+
+
+def test_altered_meta_is_reported_even_when_not_replayed(demo_run, tmp_path):
+    edited = edited_copy(demo_run.world_state, tmp_path / "s", _seed)
+    code, doc = replay_cli(tmp_path, edited, "--input", str(tmp_path / "gone.h5ad"))
+    assert code == 1
+    assert (doc["verdict"], doc["diverged_step"]) == ("altered", None)
+    assert "meta was altered" in doc["summary"] and "not replayed: input" in doc["summary"]
+    assert doc["steps"] == []
+
+
+def test_moved_input_is_reproduced(demo_run, tmp_path):
+    moved = tmp_path / "elsewhere" / "data"
+    shutil.copytree(demo_run.input.parent, moved)
+    (moved / ".DS_Store").write_bytes(b"\0\1")
+    new_input = moved / demo_run.input.name
+    code, doc = replay_cli(tmp_path, demo_run.world_state, "--input", str(new_input))
+    assert code == 0 and doc["verdict"] == "reproduced", doc["summary"]
+    assert doc["input"] == str(new_input)
 
 
 def test_edited_resolution_diverges_at_its_step(demo_run, tmp_path, capsys):
@@ -54,7 +158,7 @@ def test_edited_resolution_diverges_at_its_step(demo_run, tmp_path, capsys):
         doc["entries"][leiden.step - 1]["params"]["resolution"] = new_resolution
         doc["meta"]["digest_version"] = 0  # as if recorded before the digest last changed
 
-    edited = edited_copy(demo_run.world_state, tmp_path / "edited", edit)
+    edited = edited_copy(demo_run.world_state, tmp_path / "edited", edit, reseal=True)
     out, work = tmp_path / "replay.json", tmp_path / "work"
     code = cli(["replay", "--world-state", str(edited), "--out", str(out), "--workdir", str(work)])
     doc = orjson.loads(out.read_bytes())
@@ -72,32 +176,57 @@ def test_edited_resolution_diverges_at_its_step(demo_run, tmp_path, capsys):
     assert f"diverged at step {leiden.step}" in capsys.readouterr().out
 
 
-def test_changed_input_is_refused(demo_run, tmp_path, capsys):
-    copy = tmp_path / "counts.h5ad"
-    shutil.copy(demo_run.input, copy)
+def test_missing_or_changed_input_is_not_replayed(demo_run, tmp_path):
+    gone = tmp_path / "gone" / "counts.h5ad"
     edited = edited_copy(
-        demo_run.world_state, tmp_path / "s", lambda doc: doc["meta"].update(input=str(copy))
+        demo_run.world_state, tmp_path / "s", lambda d: d["meta"].update(input=str(gone)), True
     )
-    with open(copy, "ab") as f:
+    code, doc = replay_cli(tmp_path, edited)
+    assert (code, doc["verdict"], doc["diverged_step"]) == (3, "not replayed", None)
+    assert doc["steps"] == [] and doc["replay_status"] is None
+    assert f"input {gone} (recorded in {edited}, meta.input) does not exist" in doc["summary"]
+    assert verdict_class(doc["verdict"]) == "muted"
+
+    changed = tmp_path / "counts.h5ad"
+    shutil.copy(demo_run.input, changed)
+    with open(changed, "ab") as f:
         f.write(b"\0")
-    out = tmp_path / "replay.json"
-    assert cli(["replay", "--world-state", str(edited), "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert f"input {copy} has changed" in err and "meta.input_sha256" in err
-    assert not out.exists()
-
-    copy.unlink()
-    assert cli(["replay", "--world-state", str(edited), "--out", str(out)]) == 2
+    code, doc = replay_cli(tmp_path, demo_run.world_state, "--input", str(changed))
+    assert (code, doc["verdict"]) == (3, "not replayed")
     assert (
-        f"input {copy} (recorded in {edited}, meta.input) does not exist" in capsys.readouterr().err
+        f"input {changed} (given with --input) is not the data the analysis read" in doc["summary"]
     )
 
 
-def test_bad_world_state_and_workdir_are_refused(demo_run, tmp_path, capsys):
+def test_input_folder_is_checked_by_the_files_the_reader_uses(tmp_path):
+    """A moved 10x folder with a stray file is the same input; a changed or missing file is named."""
+    first = tmp_path / "first"
+    first.mkdir()
+    for name in ("matrix.mtx.gz", "features.tsv.gz", "barcodes.tsv.gz"):
+        (first / name).write_bytes(name.encode())
+    sums = input_checksums(first)
+    world = WorldState(
+        meta={"input": str(first), "input_sha256": checksum(first, sums), "input_files": sums}
+    )
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    (moved / ".DS_Store").write_bytes(b"\0")
+    source = tmp_path / "world_state.json"
+    assert check_input(world, source, moved) == moved
+    (moved / "features.tsv.gz").write_bytes(b"other genes")
+    (moved / "barcodes.tsv.gz").unlink()
+    with pytest.raises(
+        NotReplayed, match=r"features\.tsv\.gz differs, barcodes\.tsv\.gz is missing"
+    ):
+        check_input(world, source, moved)
+
+
+def test_bad_world_state_is_not_replayed_and_busy_workdir_refused(demo_run, tmp_path, capsys):
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
-    assert cli(["replay", "--world-state", str(broken)]) == 2
-    assert f"{broken}: not a readable world state" in capsys.readouterr().err
+    code, doc = replay_cli(tmp_path, broken)
+    assert (code, doc["verdict"]) == (3, "not replayed")
+    assert f"{broken}: not a readable world state" in doc["summary"]
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")

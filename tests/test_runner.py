@@ -133,3 +133,52 @@ def test_renaming_a_sample_file_is_one_line_in_the_layout(small_input, tmp_path,
     world = WorldState.load(outdir / "provenance.json")
     assert [e.tool for e in world.entries][:1] == ["load_data"] and len(world.entries) == 4
     assert replay(outdir / "provenance.json")["verdict"] == "reproduced"
+
+
+def test_input_checksum_is_of_the_files_the_reader_uses_not_their_place(tmp_path):
+    """A stray file in a 10x folder is not the input; the same bytes in a moved folder are."""
+    from agent.provenance import checksum, input_checksums
+
+    folder = tmp_path / "a" / "sample"
+    folder.mkdir(parents=True)
+    for name in ("matrix.mtx.gz", "features.tsv.gz", "barcodes.tsv.gz"):
+        (folder / name).write_bytes(name.encode())
+    before = checksum(folder)
+    (folder / ".DS_Store").write_bytes(b"finder")
+    (folder / "truth.tsv").write_text("cell\ttype\n")
+    assert checksum(folder) == before
+    moved = tmp_path / "b" / "elsewhere"
+    moved.parent.mkdir()
+    folder.rename(moved)
+    assert checksum(moved) == before
+    assert set(input_checksums(moved)) == {"matrix.mtx.gz", "features.tsv.gz", "barcodes.tsv.gz"}
+    (moved / "barcodes.tsv.gz").write_bytes(b"other")
+    assert checksum(moved) != before
+
+
+def test_folder_lock_refuses_a_second_holder_by_name_and_frees_on_exit(tmp_path):
+    from agent.lock import FolderBusy, FolderLock
+
+    path = tmp_path / "sample" / ".lock"
+    with FolderLock(path), pytest.raises(FolderBusy, match=rf"another run \(pid {os.getpid()} on "):
+        FolderLock(path).__enter__()
+    path.write_text('{"pid": 999999, "host": "gone"}')  # a holder killed before it let go
+    with FolderLock(path) as lock:
+        assert lock.previous == {"pid": 999999, "host": "gone"}
+
+
+def test_input_the_machine_cannot_read_or_that_is_no_file_ends_the_run_clearly(tmp_path):
+    """An I/O error while reading the input is a fault (exit 1, retried); a FIFO would hang the
+    reader: refused (exit 2); neither leaves a traceback."""
+    if not os.access("/proc/self/mem", os.R_OK):
+        pytest.skip("/proc/self/mem not readable here")
+    failing = tmp_path / "counts.h5ad"
+    failing.symlink_to("/proc/self/mem")  # reading it from offset 0 fails with EIO
+    fifo = tmp_path / "fifo.h5ad"
+    os.mkfifo(fifo)
+    for path, code, text in ((failing, 1, "Input/output error"), (fifo, 2, "not a regular file")):
+        out = subprocess.run(
+            run_cmd(path, tmp_path / path.stem), capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == code and text in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr

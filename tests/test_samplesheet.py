@@ -34,6 +34,8 @@ def test_a_good_sheet_keeps_lines_and_converts_whole_numbers(tmp_path):
         ("sample\tpath\tpolicy\na\tp\tgpt\n", "line 2 (sample 'a'), column 'policy': 'gpt' is not one of"),
         ("sample\tpath\tmem_mb\na\tp\t0\n", "line 2 (sample 'a'), column 'mem_mb': 0 is less than the minimum of 1"),
         ("sample\tpath\na/b\tp\n", "line 2 (sample 'a/b'), column 'sample': 'a/b' does not match"),
+        (f"sample\tpath\n{'a' * 300}\tp\n", "column 'sample': 300 characters, more than the maximum of 100 (unique sample name of letters, digits, '_', '.', '-', at most 100 characters: it becomes folder, log file and Slurm job names)"),
+        ("sample\tpath\na\t-x\n", "line 2 (sample 'a'), column 'path': '-x' does not match '^[^-]' (a path must not start with '-': the tools would read it as an option; prefix it with './')"),
         ("sample\tpath\na\tp\na\tp\n", "line 3 (sample 'a'), column 'sample': duplicate sample (first on line 2)"),
         ("sample\tpath\na\tnowhere\n", "line 2 (sample 'a'), column 'path': 'nowhere' does not exist"),
         ("sample\tpath\n", "has no samples"),
@@ -46,6 +48,12 @@ def test_each_error_names_the_sheet_line_and_column(tmp_path, text, where):
         load_sheet(path, made_by_workflow=made)
     assert str(err.value).startswith(f"sample sheet {path}")
     assert where in str(err.value)
+
+
+def test_a_sheet_saved_with_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "samples.tsv"
+    path.write_bytes("sample\tpath\na\tp\n".encode("utf-8-sig"))  # as Excel saves it
+    assert load_sheet(path, made_by_workflow=lambda p: True).rows == [{"sample": "a", "path": "p"}]
 
 
 def test_a_missing_sheet_is_named(tmp_path):

@@ -102,12 +102,20 @@ def test_read_endpoint_reads_the_key_file(tmp_path):
     assert (tmp_path / "s.key").stat().st_mode & 0o777 == 0o600
 
 
-def test_key_file_readable_by_others_is_refused(tmp_path):
+def test_key_file_open_to_group_or_others_is_refused(tmp_path):
     key = tmp_path / "s.key"
     key.write_text("secret")
+    for mode in (0o644, 0o620):  # readable by all; writable by the group
+        key.chmod(mode)
+        with pytest.raises(EndpointError) as err:
+            read_api_key(key)
+        assert str(err.value) == (
+            f"API key file {key}: mode {mode:03o} gives group or others access to the key; "
+            f"expected the owner's only (chmod 600 {key})"
+        )
+    key.chmod(0o600)
+    assert read_api_key(key) == "secret"
     key.chmod(0o644)
-    with pytest.raises(EndpointError, match=r"mode 644 lets others read it; expected 600"):
-        read_api_key(key)
     write_private(key, "secret")  # rewriting an existing file tightens its mode
     assert read_api_key(key) == "secret"
 
@@ -144,3 +152,59 @@ def test_what_the_launcher_writes_the_agents_read(tmp_path):
         "http://node1:8000/v1", "m1", "s3cret", 4096, flags,
     )  # fmt: skip
     assert ep.info["vllm_version"] == "0.32.0" and "s3cret" not in path.read_text()
+
+
+def test_a_refused_key_ends_the_wait_at_once(fake_server, tmp_path):
+    from agent.endpoint import KeyRefused
+    from agent.policies.base import PolicyUnavailable
+
+    _FakeVLLM.ready_at = 0.0
+    key_file = tmp_path / "s.key"
+    t0 = time.monotonic()
+    with pytest.raises(KeyRefused) as err:
+        wait_until_ready(fake_server, "wrong", "m1", timeout_s=60, key_file=key_file)
+    assert time.monotonic() - t0 < 5
+    assert str(err.value) == (
+        f"server {fake_server} refused the API key in {key_file} (/v1/models answered 401): "
+        "not the server's key; give the server's key file (--api-key-file)"
+    )
+    assert isinstance(err.value, PolicyUnavailable)  # the runner's one line and failed record
+
+
+def test_endpoint_file_of_a_dead_launcher(tmp_path):
+    """On this host it is refused at once as stale; from another host it cannot be told, and the
+    wait's error names the file and its writer."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    key_file, path = tmp_path / "s.key", tmp_path / "s.json"
+    write_private(key_file, "k\n")
+    write = (
+        "import sys; from agent.endpoint import write_endpoint; write_endpoint(sys.argv[1], "
+        "url='http://127.0.0.1:9/v1', model='m1', api_key_file=sys.argv[2], max_model_len=4096, "
+        "flags=[])"
+    )
+    env = {**os.environ, "SLURM_JOB_ID": "4242"}
+    subprocess.run([sys.executable, "-c", write, str(path), str(key_file)], env=env, check=True)
+    info = json.loads(path.read_text())
+    pid, host = info["launcher_pid"], socket.gethostname()
+    assert (info["hostname"], info["slurm_job_id"]) == (host, "4242") and pid != os.getpid()
+    with pytest.raises(EndpointError) as err:
+        read_endpoint(path)
+    assert str(err.value) == (
+        f"endpoint file {path} is stale: written by launcher pid {pid} on host {host}, Slurm job "
+        f"4242, but no process of that server runs any more (gone: pid {pid}), as when its "
+        "launcher is killed before it can remove the file; start the server again, which "
+        "replaces it"
+    )
+    path.write_text(json.dumps({**info, "pid": os.getpid()}))  # a server outliving its launcher
+    assert read_endpoint(path).url == "http://127.0.0.1:9/v1"
+    path.write_text(json.dumps({**info, "hostname": "node7"}))
+    with pytest.raises(EndpointError) as err:
+        wait_until_ready(read_endpoint(path).url, timeout_s=0.3, interval_s=0.1, endpoint_file=path)
+    assert str(err.value).endswith(
+        f"; endpoint file {path} names http://127.0.0.1:9/v1, written by launcher pid {pid} on "
+        "host node7, Slurm job 4242"
+    )

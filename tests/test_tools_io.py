@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
+import re
+import resource
+import shutil
+import threading
+import time
+from pathlib import Path
 
 import anndata as ad
+import h5py
 import numpy as np
 import pandas as pd
 import pytest
@@ -13,6 +21,7 @@ import scanpy as sc
 import scipy.io as spio
 from scipy import sparse
 
+from agent.tools.input_size import available_memory
 from agent.tools.session import Session
 from tests.fixtures_data import call_tool as call
 
@@ -24,6 +33,7 @@ def test_load_each_demo_format_from_the_run_input(name, demo_inputs, tmp_path):
     assert out.ok, out.error
     r = out.result
     assert r["format"] == {"pbmc1": "10x_mtx", "pbmc2": "h5ad", "pbmc3": "10x_h5"}[name]
+    assert r["path"] == demo_inputs[name].name  # not where it lies: a moved folder, same record
     assert (r["n_cells"], r["n_genes"]) == session.adata.shape
     assert (r["n_mt_genes"], r["n_hb_genes"]) == (13, 10) and r["n_ribo_genes"] > 70
     assert 0.6 < r["sparsity"] < 0.95
@@ -79,6 +89,8 @@ def test_float_counts_pass_and_a_counts_layer_is_pointed_to(tmp_path):
         (np.zeros((4, 5), np.float32), "no counts"),
         (-np.ones((4, 5), np.float32), "not raw counts"),
         (np.full((4, 5), 1.5, np.float32), "not raw counts: it holds 1.5"),
+        (np.where(np.eye(4, 5), np.nan, 1).astype(np.float32), "holds 4 NaN (not a number)"),
+        (np.where(np.eye(4, 5), np.inf, 1).astype(np.float32), "holds 4 infinite values"),
     ],
 )
 def test_bad_matrices_get_a_clear_error(tmp_path, matrix, message):
@@ -186,6 +198,92 @@ def test_missing_unknown_and_outside_paths(tmp_path, small_input):
     out = call(session, "load_data", path="table.csv")
     assert not out.ok and "unknown input format" in out.error
     assert not call(Session(tmp_path / "p"), "load_data").ok  # no input at all
+
+
+def test_a_file_in_the_output_folder_is_named_by_its_path_there(tmp_path, small_input):
+    session = Session(tmp_path / "o", input_path=small_input)
+    (tmp_path / "o" / "sub").mkdir()
+    shutil.copy(small_input, tmp_path / "o" / "sub" / "copy.h5ad")
+    out = call(session, "load_data", path="sub/copy.h5ad")
+    assert out.ok and out.result["path"] == "sub/copy.h5ad"
+
+
+CELLS, GENES, NNZ = 2_000_000_000, 3_000_000_000, 200_000_000_000  # terabytes once read
+
+
+def _huge_mtx(tmp_path):
+    folder = tmp_path / "mtx"
+    folder.mkdir()
+    header = f"%%MatrixMarket matrix coordinate integer general\n{GENES} {CELLS} {NNZ}\n1 1 1\n"
+    files = {"matrix.mtx.gz": header, "barcodes.tsv.gz": "C0-1\n", "features.tsv.gz": "ID\tA\n"}
+    for name, text in files.items():
+        (folder / name).write_bytes(gzip.compress(text.encode()))
+    return folder, folder / "matrix.mtx.gz"
+
+
+def _huge_h5ad(tmp_path):
+    path = _write(tmp_path, ad.AnnData(sparse.csr_matrix(np.eye(3, dtype=np.float32))))
+    with h5py.File(path, "a") as f:  # a declared length: chunks never written take no space
+        del f["X/data"]
+        f["X"].create_dataset("data", shape=(NNZ,), dtype=np.float32, chunks=(1 << 20,))
+        f["X"].attrs["shape"] = (CELLS, GENES)
+    return path, path
+
+
+def _huge_h5(tmp_path):
+    path = tmp_path / "in.h5"
+    with h5py.File(path, "w") as f:
+        m = f.create_group("matrix")
+        m["shape"] = np.array([GENES, CELLS])
+        m.create_dataset("data", shape=(NNZ,), dtype=np.int32, chunks=(1 << 20,))
+        m["indices"] = np.zeros(1, np.int64)
+    return path, path
+
+
+@pytest.mark.parametrize("make", [_huge_mtx, _huge_h5ad, _huge_h5])
+def test_a_matrix_too_big_for_memory_is_refused_from_its_header(tmp_path, make):
+    path, file = make(tmp_path)
+    start = time.perf_counter()
+    out = call(Session(tmp_path / "o", input_path=path), "load_data")
+    assert time.perf_counter() - start < 1  # the header alone: nothing was allocated
+    declared = f"{file} declares 2,000,000,000 cells x 3,000,000,000 genes with 200,000,000,000 "
+    assert not out.ok and declared + "nonzero values: reading it needs about " in out.error
+    assert re.search(r"GiB, this job has [\d,.]+ GiB available \(", out.error), out.error
+
+
+def test_available_memory_follows_the_address_space_limit():
+    vm_size = int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text())[1])
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size * 1024 + (256 << 20), before[1]))
+    try:
+        room, limit = available_memory()
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, before)
+    assert room <= 256 << 20 and "ulimit -v" in limit
+
+
+@pytest.mark.parametrize("where", ["file", "matrix in folder", "device"])
+def test_a_fifo_or_device_is_refused_without_opening_it(tmp_path, where):
+    if where == "device":
+        path = special = Path("/dev/zero")
+    elif where == "file":
+        path = special = tmp_path / "in.h5ad"
+        os.mkfifo(special)
+    else:
+        path, matrix = _huge_mtx(tmp_path)
+        matrix.unlink()
+        special = path / "matrix.mtx.gz"
+        os.mkfifo(special)
+    outcomes = []
+    worker = threading.Thread(
+        target=lambda: outcomes.append(call(Session(tmp_path / "o", input_path=path), "load_data")),
+        daemon=True,  # were it to hang on open(), the test fails instead of hanging
+    )
+    worker.start()
+    worker.join(timeout=10)
+    assert outcomes, "load_data hung"
+    kind = "a character device" if where == "device" else "a FIFO (named pipe)"
+    assert not outcomes[0].ok and f"could not read {special}: it is {kind}" in outcomes[0].error
 
 
 def test_save_writes_inside_outdir_only(session_at):

@@ -116,3 +116,33 @@ def test_digest_sees_graphs_and_raw(session_at):
     after_graph = session.digest()
     session.adata.raw.X.data[0] += 1
     assert session.digest() != after_graph
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A real, nearly full file system: an 8 MiB tmpfs (needs the right to mount, as root has)."""
+    import subprocess
+
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_save_that_cannot_fit_is_a_fault_refused_before_writing(full_disk, small_input):
+    """A full disk can crash h5py mid-write: the space is checked first, and the call ends the run
+    as a fault of the machine (ENOSPC, retried), leaving no partial file."""
+    from agent.registry import InfrastructureError
+
+    session = Session(full_disk / "out", input_path=small_input)
+    registry = build_registry()
+    assert registry.call("load_data", {}, session).ok
+    with pytest.raises(
+        InfrastructureError, match=r"No space left on device: writing about \d+ MiB"
+    ):
+        registry.call("save", {"path": "copy.h5ad"}, session)
+    assert [p.name for p in (full_disk / "out").iterdir()] == []

@@ -119,6 +119,7 @@ def test_vllm_mode_shards_llm_samples_into_server_groups(workflow_dir: WorkflowD
 def test_external_mode_passes_the_given_endpoint(workflow_dir: WorkflowDir, inputs: Path):
     key = workflow_dir.path / "api.key"
     key.write_text("secret\n")
+    key.chmod(0o600)
     workflow_dir.write_sheet([{"sample": "a", "path": "inputs/a.h5ad", "policy": "llm"}])
     workflow_dir.configure(
         server={"mode": "external", "base_url": "http://node7:8000/v1", "api_key_file": str(key)}
@@ -128,6 +129,12 @@ def test_external_mode_passes_the_given_endpoint(workflow_dir: WorkflowDir, inpu
     assert "serve_vllm" not in job_counts(out.stdout)
     (cmd,) = shell_commands(out.stdout, "analyze")
     assert f"--base-url http://node7:8000/v1 --model Qwen/Qwen3-8B --api-key-file {key}" in cmd
+
+    key.chmod(0o644)  # refused at parse time, as the agent would refuse it at job time
+    out = workflow_dir.snakemake("-n")
+    assert out.returncode != 0
+    assert f"config server.api_key_file: API key file {key}: mode 644" in out.stdout
+    assert f"(chmod 600 {key})" in out.stdout
 
     workflow_dir.configure(server={"api_key_file": str(workflow_dir.path / "missing.key")})
     out = workflow_dir.snakemake("-n")
@@ -254,3 +261,40 @@ def test_demo_cohort_end_to_end(workflow_dir: WorkflowDir):
     # a second run has nothing to do: outputs are complete and up to date
     again = workflow_dir.snakemake("--cores", "2", "-n")
     assert "Nothing to be done" in again.stdout, again.stdout
+
+
+def test_adding_a_sample_analyses_only_it_and_restarts_no_finished_shard(
+    workflow_dir: WorkflowDir, demo_run, tmp_path: Path
+):
+    """vllm mode, one server per sample: after a second sample joins the sheet, only its shard's
+    server starts and only it is analysed; the first sample's record stays byte for byte."""
+    recorded = tmp_path / "recorded"  # the calls the stand-in server answers with, per sample
+    for name in ("a", "b"):
+        doc = json.loads(demo_run.world_state.read_text())
+        doc["meta"]["sample"] = name
+        (recorded / name).mkdir(parents=True)
+        (recorded / name / "world_state.json").write_text(json.dumps(doc))
+    standin = f"{sys.executable} {REPO / 'tests' / 'fixtures_workflow.py'} --recorded {recorded}"
+    workflow_dir.configure(
+        analysis={"policy": "llm"},
+        server={"mode": "vllm", "samples_per_server": 1, "command": standin},
+        resources={"analyze": {"cpus_per_task": 1}},
+    )
+    rows = [{"sample": "a", "path": str(demo_run.input)}]
+    records = {name: f"results/samples/{name}/world_state.json" for name in ("a", "b")}
+    workflow_dir.write_sheet(rows)
+    first = workflow_dir.snakemake("--cores", "2", records["a"])
+    assert first.returncode == 0, first.stdout
+    record_a = (workflow_dir.path / records["a"]).read_bytes()
+    assert not list((workflow_dir.path / "results" / "servers").glob("*.json"))  # temporary
+
+    workflow_dir.write_sheet([*rows, {"sample": "b", "path": str(demo_run.input)}])
+    second = workflow_dir.snakemake("--cores", "2", *records.values())
+    assert second.returncode == 0, second.stdout
+    assert job_counts(second.stdout) == {"serve_vllm": 1, "analyze": 1}, second.stdout
+    assert "serve_vllm:shard=shard001" in second.stdout or "shard=shard001" in second.stdout
+    assert "shard=shard000" not in second.stdout
+    assert (workflow_dir.path / records["a"]).read_bytes() == record_a
+    assert (
+        json.loads((workflow_dir.path / records["b"]).read_text())["meta"]["status"] == "finished"
+    )

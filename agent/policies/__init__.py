@@ -32,7 +32,7 @@ def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
         from agent.world_state import WorldState
 
         return PolicySetup(ReplayPolicy(WorldState.load(config.world_state)))
-    from agent.endpoint import read_endpoint, wait_until_ready
+    from agent.endpoint import read_api_key, read_endpoint, wait_until_ready
     from agent.policies.llm import LLMPolicy
 
     meta: dict[str, Any] = {}
@@ -43,9 +43,17 @@ def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
         tokenizer = config.tokenizer or ep.info.get("model_path")
     else:
         url, model, tokenizer = config.base_url, config.model, config.tokenizer
-        key = config.api_key_file.read_text().strip() if config.api_key_file else "EMPTY"
+        key = read_api_key(config.api_key_file) if config.api_key_file else "EMPTY"
     meta["model"] = model
-    wait_until_ready(url, api_key=key, model=model, timeout_s=config.server_wait)
+    key_file = ep.key_file if config.endpoint_file else config.api_key_file
+    wait_until_ready(
+        url,
+        api_key=key,
+        model=model,
+        timeout_s=config.server_wait,
+        key_file=key_file,
+        endpoint_file=config.endpoint_file,
+    )
     policy = LLMPolicy(
         url,
         model,
@@ -56,5 +64,6 @@ def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
         max_tokens=config.max_tokens,
         outage_wait=config.outage_wait,
         endpoint_file=config.endpoint_file,
+        key_file=key_file,
     )
     return PolicySetup(policy, policy.context_limit(), tokenizer, meta)

@@ -43,7 +43,8 @@ class PromptTooLong(Exception):
 
 
 class PolicyUnavailable(Exception):
-    """The decider stayed unreachable past its wait; ``outages`` as in ``Decision.outages``."""
+    """The decider cannot be reached or used: it stayed unreachable past its wait, or refused us
+    at once (a wrong key, a stale endpoint); ``outages`` as in ``Decision.outages``."""
 
     def __init__(self, message: str, outages: list[dict[str, Any]] | None = None):
         super().__init__(message)

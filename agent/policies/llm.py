@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 import openai
 
-from agent.endpoint import EndpointError, read_endpoint
+from agent.endpoint import EndpointError, KeyRefused, describe, read_endpoint
 from agent.policies.base import Decision, PolicyUnavailable, PromptTooLong, ToolCall, Usage
 from agent.world_state import WorldState
 
@@ -27,7 +27,8 @@ class LLMPolicy:
     5xx with exponential backoff (`max_retries`) and gives up on a slow answer after `timeout`.
 
     With `endpoint_file`, a server that went away is looked for again through that file: a
-    restarted `agent serve` writes it anew, with its new port and API key.
+    restarted `agent serve` writes it anew, with its new port and API key. A refused key (HTTP
+    401/403) is final (KeyRefused), once the endpoint file has been read again for a new key.
     """
 
     def __init__(
@@ -43,6 +44,7 @@ class LLMPolicy:
         tool_choice: str | dict[str, Any] = "auto",
         outage_wait: float = 600.0,
         endpoint_file: str | Path | None = None,
+        key_file: str | Path | None = None,
         extra_body: dict[str, Any] | None = None,
         log: TextIO = sys.stderr,
     ):
@@ -60,6 +62,7 @@ class LLMPolicy:
         self.tool_choice = tool_choice
         self.outage_wait = outage_wait
         self.endpoint_file = Path(endpoint_file) if endpoint_file else None
+        self.key_file = key_file  # where api_key came from, for the refusal's message
         self.log = log
 
     def context_limit(self) -> int | None:
@@ -71,19 +74,34 @@ class LLMPolicy:
                 )
         return None
 
-    def _follow_endpoint(self) -> None:
-        """Point the client at the server the endpoint file names now (a restart moves it)."""
+    def _follow_endpoint(self) -> bool:
+        """Point the client at the server the endpoint file names now (a restart moves it and
+        changes its key); True when that is another address or key."""
         if self.endpoint_file is None:
-            return
+            return False
         try:
             ep = read_endpoint(self.endpoint_file)
         except EndpointError:  # not there (yet): a restarting server writes it once ready
-            return
-        if ep.model == self.model and (ep.url, ep.api_key) != (
+            return False
+        if ep.model != self.model:
+            return False
+        self.key_file = ep.key_file
+        current = (str(self.client.base_url).rstrip("/"), self.client.api_key)
+        if (ep.url.rstrip("/"), ep.api_key or "EMPTY") == current:
+            return False
+        self.client = self.client.with_options(base_url=ep.url, api_key=ep.api_key or "EMPTY")
+        return True
+
+    def _refused(
+        self, error: openai.APIStatusError, what: str, outages: list[dict[str, Any]] | None = None
+    ) -> KeyRefused:
+        return KeyRefused(
             str(self.client.base_url).rstrip("/"),
-            self.client.api_key,
-        ):
-            self.client = self.client.with_options(base_url=ep.url, api_key=ep.api_key or "EMPTY")
+            f"{what} answered {error.status_code}",
+            self.key_file,
+            self.endpoint_file,
+            outages,
+        )
 
     def _wait_for_server(self, error: Exception, world: WorldState) -> dict[str, Any]:
         """After the client's own retries failed: poll the server with bounded backoff until it
@@ -105,6 +123,10 @@ class LLMPolicy:
             self._follow_endpoint()
             try:
                 self.client.with_options(max_retries=0, timeout=10).models.list()
+            except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
+                # up, but refusing the key, even after the endpoint file (if any) was read again
+                outage["waited_s"] = round(time.monotonic() - start, 1)
+                raise self._refused(e, "/v1/models", [outage]) from e
             except openai.APIError:
                 continue
             outage["waited_s"] = round(time.monotonic() - start, 1)
@@ -115,13 +137,17 @@ class LLMPolicy:
             )
             return outage
         outage["waited_s"] = round(time.monotonic() - start, 1)
+        where = f"; {describe(self.endpoint_file)}" if self.endpoint_file else ""
         raise ServerUnavailable(
             f"server {self.client.base_url} did not come back within {self.outage_wait:.0f} s "
-            f"(last error: {type(error).__name__}: {error}); the run can resume from its world state",
+            f"(last error: {type(error).__name__}: {error}){where}; the run can resume from its "
+            f"world state",
             [outage],
         ) from error
 
-    def _complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Any:
+    def _complete(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], follow: bool = True
+    ) -> Any:
         try:
             return self.client.chat.completions.create(
                 model=self.model,
@@ -135,6 +161,11 @@ class LLMPolicy:
                 counts = [int(n) for n in _TOKENS.findall(str(e))]
                 raise PromptTooLong(str(e), max(counts) if counts else None) from e
             raise
+        except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
+            # a restarted server writes its new key to the endpoint file: follow that once
+            if follow and self._follow_endpoint():
+                return self._complete(messages, tools, follow=False)
+            raise self._refused(e, "chat request") from e
 
     def decide(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], world: WorldState

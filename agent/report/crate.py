@@ -161,7 +161,12 @@ def _sample_actions(
                 properties={
                     "name": f"replay {sample.name}: {sample.replay.get('verdict')}",
                     "description": sample.replay.get("summary", ""),
-                    "actionStatus": {"@id": STATUS[sample.replay.get("diverged_step") is None]},
+                    # "altered" (meta) and "not replayed" have no step, and did not succeed
+                    "actionStatus": {
+                        "@id": STATUS[
+                            sample.replay.get("verdict") in ("reproduced", "within tolerance")
+                        ]
+                    },
                     **(
                         {"startTime": sample.replay["started"]}
                         if sample.replay.get("started")

@@ -23,17 +23,17 @@ KEPT, REMOVED, FAILED, FLAGGED, MEDIAN = "#2b6cb0", "#cbd5e0", "#c53030", "#dd6b
 QC_TOOLS = tuple(
     name for name, spec in tool_specs().items() if spec.kind in ("cell_filter", "gene_filter")
 )
-plt.rcParams.update(
-    {
-        "font.size": 9,
-        "axes.spines.top": False,
-        "axes.spines.right": False,
-        "axes.titlesize": 10,
-        "axes.titleweight": "bold",
-        "figure.dpi": 110,
-        "svg.fonttype": "none",
-    }
-)
+# The report's look, applied only while its figures are drawn: a global change would also restyle
+# the sample plots of any analysis run in the same process (and change their recorded bytes).
+STYLE = {
+    "font.size": 9,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.titlesize": 10,
+    "axes.titleweight": "bold",
+    "figure.dpi": 110,
+    "svg.fonttype": "none",
+}
 
 
 @dataclass(frozen=True)
@@ -224,11 +224,12 @@ def cached_ratio(samples: list[Sample]) -> Figure:
 def cohort_figures(
     table: pd.DataFrame, samples: list[Sample], parameters: list[str], drift: list[Flag]
 ) -> list[Figure]:
-    figures = [
-        cells_kept(table),
-        qc_thresholds(table, parameters, drift),
-        clusters(table),
-        iterations(samples),
-        cached_ratio(samples),
-    ]
+    with plt.rc_context(STYLE):
+        figures = [
+            cells_kept(table),
+            qc_thresholds(table, parameters, drift),
+            clusters(table),
+            iterations(samples),
+            cached_ratio(samples),
+        ]
     return [f for f in figures if f is not None]

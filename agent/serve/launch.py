@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.durable import write_private
-from agent.endpoint import http_json, probe, write_endpoint
+from agent.endpoint import EndpointError, http_json, probe, write_endpoint
 from agent.serve import gpu as gpus
 from agent.serve.flags import Flag, FlagPlan, select_flags
 from agent.serve.model_config import ModelConfigError, load_model_config
@@ -293,7 +293,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         return serve(args, plan)
-    except LaunchError as exc:
+    except (LaunchError, EndpointError) as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 1
 
@@ -360,9 +360,7 @@ def serve(args: argparse.Namespace, plan: FlagPlan) -> int:
             started_at=started.isoformat(),
             ready_at=dt.datetime.now(dt.UTC).isoformat(),
             pid=server.pid,
-            launcher_pid=os.getpid(),
             host=args.host,
-            hostname=socket.gethostname(),
             port=port,
             log=str(log_path.resolve()),
         )
@@ -380,6 +378,7 @@ def serve(args: argparse.Namespace, plan: FlagPlan) -> int:
     except Stopped as why:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the stop short
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        endpoint_file.unlink(missing_ok=True)  # agents on other hosts cannot tell it is stale
         code = server.stop()
         print(f"serve: {why} received, vLLM stopped (status {code})", file=sys.stderr)
         return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,8 +15,10 @@ from pydantic import Field
 from scipy import sparse
 
 from agent.durable import atomic_write_h5ad
+from agent.provenance import MTX_V2, MTX_V3, input_files
 from agent.registry import ToolError, tool
 from agent.tools.common import per_row, sizes
+from agent.tools.input_size import check_fits
 from agent.tools.qc import gene_masks
 from agent.tools.session import Session
 
@@ -30,13 +33,21 @@ SYMBOL_COLUMNS = (
 
 
 def _read(path: Path) -> tuple[ad.AnnData, str]:
+    for file in [path, *(path / n for n in (*MTX_V2, *MTX_V3))] if path.is_dir() else [path]:
+        if kind := _special_kind(file):  # opening a FIFO blocks, a device never ends
+            raise ToolError(
+                f"could not read {file}: it is {kind}, not a regular file; load_data reads a 10x "
+                "mtx folder, a 10x .h5 or an .h5ad file"
+            )
     if path.is_dir():
-        if not any((path / f"matrix.mtx{ext}").is_file() for ext in ("", ".gz")):
+        matrix = next((f for f in input_files(path) if f.name.startswith("matrix.mtx")), None)
+        if matrix is None:
             raise ToolError(
                 f"{path} is a folder without matrix.mtx(.gz): a 10x mtx folder needs matrix.mtx.gz, "
                 "barcodes.tsv.gz and features.tsv.gz"
             )
         _check_features(path)
+        check_fits(matrix, "10x_mtx")
         return sc.read_10x_mtx(
             path, var_names="gene_symbols", make_unique=True, cache=False
         ), "10x_mtx"
@@ -44,13 +55,28 @@ def _read(path: Path) -> tuple[ad.AnnData, str]:
         raise ToolError(f"input {path} does not exist")
     if path.stat().st_size == 0:
         raise ToolError(f"could not read {path}: the file is empty (0 bytes)")
-    if path.suffix == ".h5":
-        return sc.read_10x_h5(path), "10x_h5"
-    if path.suffix == ".h5ad":
-        return ad.read_h5ad(path), "h5ad"
-    raise ToolError(
-        f"{path}: unknown input format (expected a 10x mtx folder, a 10x .h5 or an .h5ad file)"
-    )
+    fmt = {".h5": "10x_h5", ".h5ad": "h5ad"}.get(path.suffix)
+    if fmt is None:
+        raise ToolError(
+            f"{path}: unknown input format (expected a 10x mtx folder, a 10x .h5 or an .h5ad file)"
+        )
+    check_fits(path, fmt)
+    return (sc.read_10x_h5(path) if fmt == "10x_h5" else ad.read_h5ad(path)), fmt
+
+
+def _special_kind(path: Path) -> str | None:
+    """What a path is when it exists but is neither a regular file nor a folder."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None  # missing: said where it is needed
+    kinds = {
+        stat.S_ISFIFO: "a FIFO (named pipe)",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
+    return next((kind for test, kind in kinds.items() if test(mode)), None)
 
 
 def _check_features(folder: Path) -> None:
@@ -91,13 +117,20 @@ def _integer_layers(adata: ad.AnnData) -> list[str]:
     return found
 
 
-def _non_count_value(matrix: Any) -> float | None:
-    """A value that rules out raw counts (negative or fractional), or None if all are counts."""
+def _non_count_value(matrix: Any) -> str | None:
+    """What rules out raw counts, in words (None if every value is a count)."""
     values = matrix.data if sparse.issparse(matrix) else np.asarray(matrix).ravel()
     if not np.issubdtype(values.dtype, np.number):
-        return float("nan")
+        return "values that are not numbers"
+    if values.dtype.kind == "f" and not np.isfinite(values).all():  # integers are finite
+        if n := int(np.isnan(values).sum()):
+            return f"{n:,} NaN (not a number) values, which counts cannot be (missing values?)"
+        n = int(np.isinf(values).sum())
+        return f"{n:,} infinite values, which counts cannot be (an overflow upstream?)"
     bad = (values < 0) | (values != np.round(values))
-    return float(values[np.argmax(bad)]) if bad.any() else None
+    if not bad.any():
+        return None
+    return f"{values[np.argmax(bad)]:.4g}; it looks normalised or log-transformed"
 
 
 @tool("io", expensive=True)
@@ -156,8 +189,8 @@ def load_data(
         where = f"layer {layer!r}" if layer else "X"
         hint = _integer_layers(adata) if not layer else []
         raise ToolError(
-            f"{source}: {where} is not raw counts: it holds {bad:.4g} (dtype {matrix.dtype}); "
-            "it looks normalised or log-transformed, and load_data needs raw integer UMI counts"
+            f"{source}: {where} (dtype {matrix.dtype}) is not raw counts: it holds {bad}; "
+            "load_data needs raw integer UMI counts"
             + (
                 f"; these hold integer counts: {hint} (call load_data with layer=...)"
                 if hint
@@ -205,7 +238,7 @@ def load_data(
     if not masks["mt"].any():
         warnings.append("no mitochondrial genes with prefix 'MT-' (mouse data use 'mt-')")
     return {
-        "path": str(source),
+        "path": _shown(session, source),
         "format": fmt,
         "n_cells": adata.n_obs,
         "n_genes": adata.n_vars,
@@ -222,6 +255,14 @@ def load_data(
         "n_hb_genes": int(masks["hb"].sum()),
         "warnings": warnings,
     }
+
+
+def _shown(session: Session, source: Path) -> str:
+    """The input as the record names it: the input's name, or its path in the output folder, so
+    that the same bytes in a moved folder give the same record."""
+    if session.input_path is not None and source.is_relative_to(session.input_path):
+        return str(source.relative_to(session.input_path.parent))
+    return str(source.relative_to(session.outdir))
 
 
 @tool("io", mutates=False)

@@ -1,8 +1,10 @@
 # One agent job per sample: the agent loop with the sample's policy, writing the provenance
 # record, per-step metrics, checkpoints, plots and, when the analysis finishes, the final AnnData
 # (the files' names: agent/layout.py). An analysis that ends unfinished (e.g. unreadable input)
-# still exits 0 with its record: the report shows it as failed. A crash exits non-zero; the
-# unfinished record in checkpoints/ (not an output, so Snakemake keeps it) lets the retry resume.
+# still exits 0 with its record: the report shows it as failed. A fault of the machine (server
+# gone, I/O error, SIGTERM at a time limit) exits non-zero; the unfinished record in checkpoints/
+# (not an output, so Snakemake keeps it) lets the retry resume. A rerun of a finished sample with
+# the same settings keeps its record (the same file) and redoes nothing.
 
 
 rule analyze:

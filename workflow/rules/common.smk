@@ -11,6 +11,7 @@ from snakemake.utils import validate
 
 # `agent` imports from any working directory: Snakemake puts the Snakefile's folder (the
 # repository root, workflow.basedir) on sys.path, besides the package being installed.
+from agent.endpoint import EndpointError, read_api_key
 from agent.layout import SampleLayout
 from agent.samplesheet import SampleSheetError, load_sheet
 
@@ -65,10 +66,10 @@ def check_server_mode(sheet, samples):
         for key in ("base_url", "api_key_file"):
             if not SERVER[key]:
                 raise WorkflowError(f"config server.{key} is required when server.mode is 'external'")
-        if not os.path.isfile(SERVER["api_key_file"]):
-            raise WorkflowError(
-                f"config server.api_key_file: {SERVER['api_key_file']!r} is not a file"
-            )
+        try:  # the agents' own check (owner-only, not empty), before any job is submitted
+            read_api_key(SERVER["api_key_file"])
+        except EndpointError as err:
+            raise WorkflowError(f"config server.api_key_file: {err}") from None
 
 
 def load_samples(path):
@@ -155,6 +156,10 @@ def analyze_args(wildcards):
     """The `agent run` options that vary per sample, shell-quoted."""
     s = SAMPLES[wildcards.sample]
     args = ["--input", s["path"], "--sample", wildcards.sample, "--policy", s["policy"]]
+    # A job Snakemake reruns keeps the sample's finished analysis when nothing it depends on
+    # changed (e.g. its server restarted for another sample), and redoes it (the old one moved to
+    # previous/) when the sheet or the input changed.
+    args += ["--replace-changed"]
     args += ["--seed", str(s["seed"]), "--max-steps", str(s["max_steps"])]
     if s["brief"]:
         args += ["--brief", s["brief"]]

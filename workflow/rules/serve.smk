@@ -1,12 +1,14 @@
 # One vLLM server per shard of llm samples (server.mode: vllm). Its endpoint file is a service
 # output: the shard's analyze jobs run beside it in one group (one Slurm allocation), and
-# Snakemake stops the server once they have all finished.
+# Snakemake stops the server once they have all finished. It is also temporary: once the shard's
+# analyses are done the file is gone, and since nothing then needs it, a later run starts no
+# server for a finished shard (a missing file that no job to be run needs is not remade).
 
 
 rule serve_vllm:
     """Start a vLLM server for one shard; it writes the endpoint file only once healthy."""
     output:
-        endpoint=service(ENDPOINT),
+        endpoint=temp(service(ENDPOINT)),
     log:
         "logs/serve_vllm/{shard}.log",
     params:

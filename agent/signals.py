@@ -1,0 +1,41 @@
+"""Signals that end a run early, turned into an exception: SIGTERM (what Slurm sends at a time limit
+or on preemption, and scancel and Snakemake use) and SIGINT. Raised at once, wherever the run is,
+so that the record says how it ended, ``finally`` blocks remove temporary files and scratch
+folders, and the process exits non-zero for Slurm's requeue or Snakemake's retry to resume it.
+A tool call that was cut short is not in the record: the resumed run repeats it."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(BaseException):  # not an Exception: no tool or retry loop may swallow it
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention for "ended by signal N"
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """Within the block, the first SIGTERM or SIGINT raises Interrupted; later ones are ignored
+    while the run writes its record and cleans up."""
+
+    def handler(signum: int, frame: object) -> None:
+        for s in HANDLED:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
