@@ -1,6 +1,8 @@
 # The single-cell agent pipeline: demo data -> vLLM servers (per shard) -> one agent job per
 # sample -> replay -> cohort report. `snakemake --cores 2` runs the demo cohort locally with the
-# reference policy; `snakemake --profile slurm` runs it on a cluster. See config/config.yaml.
+# reference policy; `snakemake --profile profiles/slurm` runs it on a cluster. Every config key and
+# sheet column: config/README.md. `snakemake --report report.zip` after a run: the cohort report,
+# each sample's world state and plots.
 
 from snakemake.utils import min_version
 
@@ -8,6 +10,9 @@ min_version("9.0")
 
 
 configfile: "config/config.yaml"
+
+
+report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"

@@ -27,9 +27,10 @@ def run_loop(
     layout: SampleLayout,
     max_steps: int = 120,
     max_failures: int = 6,
-    log: TextIO = sys.stderr,
+    log: TextIO | None = None,
 ) -> str:
     """Run until `finish` succeeds ("finished"), the step limit, or too many failures in a row."""
+    log = log or sys.stderr  # looked up per call: a caller may have swapped stderr since import
     defaults, schemas = registry.defaults(), registry.schemas()
     digest, failures, overflows = session.digest(), 0, 0
     while world.next_step <= max_steps:
@@ -128,9 +129,12 @@ def _report(
         else ""
     )
     names = ",".join(f"{o.tool}{'' if o.ok else '!'}" for _, o in outcomes)
+    why = "; ".join(" ".join(o.error.split()) for _, o in outcomes if o.error)
+    if len(why) > 160:  # one console line; the record keeps the whole reason
+        why = why[:157] + "..."
     print(
         f"[{world.meta.get('sample', '?')}] step {row['step']} {names} "
-        f"{think + row['tool_seconds']:.2f}s{tokens}",
+        f"{think + row['tool_seconds']:.2f}s{tokens}{': ' + why if why else ''}",
         file=log,
         flush=True,
     )

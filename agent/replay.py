@@ -35,7 +35,6 @@ from agent.integrity import NO_CHAIN, check_record, unchained
 from agent.layout import SampleLayout
 from agent.provenance import checksum, input_checksums, now, versions
 from agent.signals import Interrupted, interruptible
-from agent.tools.session import DIGEST_VERSION
 from agent.world_state import Entry, WorldState
 
 RTOL = 1e-6
@@ -350,6 +349,8 @@ def replay(
     or whose input is missing or changed, gives the verdict "not replayed"; a record that fails
     its integrity check (agent/integrity.py) "altered at step k" ("altered": meta), whatever
     the replay found, which the document keeps."""
+    from agent.tools.session import DIGEST_VERSION  # scanpy and friends: not for usage errors
+
     source = Path(world_state)
     scratch, remove = _scratch(workdir)
     started, t0 = now(), time.perf_counter()
@@ -448,12 +449,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0 reproduced or within tolerance; 1 diverged, crashed or altered (findings,
     in replay.json); 3 not replayed (unreadable record, input missing or changed; replay.json
-    says why); 2 usage errors (tolerances, a non-empty --workdir), nothing written; 128+N stopped
-    by signal N, nothing written."""
+    says why); 2 usage errors (tolerances, no --world-state file, a non-empty --workdir), nothing
+    written; 128+N stopped by signal N, nothing written."""
     if args.rtol < 0 or args.atol < 0:
         print(
             f"error: tolerances must be >= 0 (rtol={args.rtol}, atol={args.atol})", file=sys.stderr
         )
+        return 2
+    if not Path(args.world_state).is_file():
+        print(f"error: --world-state {args.world_state} is not a file", file=sys.stderr)
         return 2
     try:
         with interruptible():  # SIGTERM: the scratch folder is removed on the way out

@@ -8,6 +8,7 @@ import os
 import platform
 import stat
 import sys
+import time
 from typing import Any
 
 from pydantic import ValidationError
@@ -197,7 +198,9 @@ def main(args: argparse.Namespace) -> int:
     bad input is the sample's result, shown as failed in the report; rerunning would not change
     it); 1 when something outside the analysis broke it (server gone, I/O error, folder busy):
     a retry resumes it; 2 when it was refused before starting (options, input, an earlier record
-    with other settings); 128+N when signal N stopped it (the record says so; a rerun resumes)."""
+    with other settings); 128+N when signal N stopped it (the record says so; a rerun resumes).
+    A run that started ends with one closing line: how it ended, steps, seconds, the record."""
+    t0 = time.monotonic()
     try:
         config = RunConfig.from_args(args)
     except ValidationError as e:
@@ -208,22 +211,30 @@ def main(args: argparse.Namespace) -> int:
         )
         print(f"agent run: {problems}", file=sys.stderr)
         return 2
-    name = config.sample_name
+    name, record = config.sample_name, config.layout.record
+
+    def closing(ended: str, why: str = "") -> None:
+        seconds = f"{time.monotonic() - t0:.1f} s"
+        try:
+            steps = f"{len(WorldState.load(record).entries)} steps in {seconds}; record {record}"
+        except ValueError:  # it failed before its first save
+            steps = f"no record after {seconds}"
+        print(f"[{name}] {ended}: {steps}{why}", file=sys.stderr)
+
     try:
         with interruptible():
             status = run_sample(config)
-    except (BadInput, CannotReuse) as e:
+    except (BadInput, CannotReuse) as e:  # refused: nothing of this run was recorded
         print(f"{name}: {e}", file=sys.stderr)
         return 2
-    except (PolicyUnavailable, InfrastructureError, FolderBusy, OSError) as e:  # a rerun resumes
+    except FolderBusy as e:  # another run writes the record: not this run's to summarise
         print(f"{name}: {e}", file=sys.stderr)
         return 1
+    except (PolicyUnavailable, InfrastructureError, OSError) as e:
+        closing("failed (exit 1)", f"; {e}; a rerun resumes")
+        return 1
     except Interrupted as e:
-        print(f"{name}: {e}; the record says so and a rerun resumes", file=sys.stderr)
+        closing(f"{e} (exit {e.exit_code})", "; it says so and a rerun resumes")
         return e.exit_code
-    if status != "finished":
-        print(
-            f"{name}: analysis ended without finish ({status}); see {config.layout.record}",
-            file=sys.stderr,
-        )
+    closing(status if status == "finished" else f"analysis ended without finish ({status})")
     return 0

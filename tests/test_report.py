@@ -1,5 +1,6 @@
 """The cohort report on a real demo run, hand-varied copies of it (for drift), a real failed run,
-a missing and an unreadable world state: table, flags, page, RO-Crate, and the page in Chromium."""
+a missing and an unreadable world state: table, flags, pages, RO-Crate, the pages in Chromium;
+and 1,000 copies of the demo sample (agent.report.copies): the index at scale, in Chromium too."""
 
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def test_failed_missing_and_unreadable_samples_are_rows_not_crashes(cohort):
     broken = cohort.table["broken"]
     assert broken["status"] == "repeated_failures"
     assert "without finish" in broken["error"] and int(broken["errors"]) > 0
-    assert "first error, step 1 (load_data): could not read" in cohort.html
+    broken_page = (cohort.outdir / "samples" / "broken.html").read_text()
+    assert "first error, step 1 (load_data): could not read" in broken_page
     assert cohort.table["lost"]["status"] == "missing"
     assert "no world state at" in cohort.table["lost"]["error"]
     assert cohort.table["garbled"]["status"] == "unreadable"
@@ -157,22 +159,60 @@ def test_truth_scores():
     assert s["ari"] < 0.5 and s["doublet_recall"] == 0.0
 
 
-def test_page_is_self_contained_and_shows_every_sample(cohort):
-    html = cohort.html
+def _self_contained(html: str) -> None:
     assert "http://" not in html and "https://" not in html
-    sources = re.findall(r'src="([^"]*)"', html)
-    assert len(sources) >= 5 + 4  # cohort figures and the demo sample's own plots
-    assert all(s.startswith("data:image/png;base64,") for s in sources)
+    assert all(s.startswith("data:image/png;base64,") for s in re.findall(r'src="([^"]*)"', html))
+
+
+def test_index_is_compact_and_links_a_page_per_sample(cohort):
+    html = cohort.html
+    _self_contained(html)
+    assert len(re.findall(r'src="([^"]*)"', html)) >= 5  # the cohort figures
     links = re.findall(r'href="([^"]*)"', html)
+    pages = {h for h in links if h.startswith("samples/")}
+    assert pages == {f"samples/{name}.html" for name in cohort.table}
     assert all(
-        h.startswith("#") or h in ("cohort.tsv", "ro-crate/ro-crate-metadata.json") for h in links
+        h.startswith("#") or h in pages or h in ("cohort.tsv", "ro-crate/ro-crate-metadata.json")
+        for h in links
     )
-    for name in cohort.table:
-        assert f'id="s-{name}"' in html
-    assert html.count('class="sample failed"') == 3
+    assert html.count('<tr class="failed') == 3
     assert "Cells kept per sample" in html and "Cached-token ratio per iteration" in html
     assert "filter_by_qc.max_pct_mt=40 is" in html  # the drift flag, in words
-    assert "load_data" in html and "leiden" in html  # the steps with their parameters
+    # the varying parameter is a column of a view; those all samples share are listed once
+    assert "parameters: filter_by_qc" in html and "<dt>leiden.resolution</dt>" in html
+    assert "load_data" not in html  # steps live on the sample pages
+
+
+def test_sample_pages_hold_steps_plots_parameters_and_replay(cohort):
+    pages = cohort.outdir / "samples"
+    assert sorted(p.stem for p in pages.glob("*.html")) == sorted(cohort.table)
+    demo = (pages / "pbmc2.html").read_text()
+    _self_contained(demo)
+    assert len(re.findall(r'src="data:image/png', demo)) >= 4  # its own plots, only here
+    assert "load_data" in demo and "leiden" in demo and "max_pct_mt" in demo
+    assert "reproduced" in demo and 'href="../index.html"' in demo
+    broken = (pages / "broken.html").read_text()
+    assert "first error, step 1 (load_data): could not read" in broken
+    assert "parameter drift" in (pages / "drifty.html").read_text()
+
+
+def test_page_names_are_safe_and_unique():
+    from agent.report.html import page_names
+
+    names = page_names(["a b", "a_b", "A_B", "../x", ""])
+    assert names == {
+        "a b": "a_b.html", "a_b": "a_b-2.html", "A_B": "A_B-3.html", "../x": "x.html",
+        "": "sample.html",
+    }  # fmt: skip
+
+
+def test_a_rebuilt_report_drops_pages_of_samples_gone(demo_run, demo_replay, tmp_path):
+    from agent.report import build_report
+
+    build_report([demo_run.world_state], [], tmp_path)
+    (tmp_path / "samples" / "old.html").write_text("from an earlier cohort")
+    build_report([demo_run.world_state], [], tmp_path)
+    assert [p.name for p in (tmp_path / "samples").iterdir()] == ["pbmc2.html"]
 
 
 def test_ro_crate_links_inputs_records_outputs_and_versions(cohort, demo_run):
@@ -231,9 +271,73 @@ def test_duplicate_sample_names_are_refused(demo_run, tmp_path, capsys):
     assert "sample name 'pbmc2' appears twice" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(
+# Opens the report in an iframe (same origin with --allow-file-access-from-files), uses it as a
+# reader would (each view, a sort, the filter) and writes what it measured into its own page,
+# which --dump-dom prints. The report's pages stay free of test code.
+HARNESS = """<!DOCTYPE html><html><body style="margin:0">
+<iframe id="f" src="%s" style="width:%dpx;height:900px;border:0"></iframe><pre id="out"></pre>
+<script>
+document.getElementById("f").onload = () => {
+  const d = document.getElementById("f").contentDocument, t = d.getElementById("samples");
+  const wrap = t.parentElement, out = {views: []};
+  const visible = () => Array.from(t.tBodies[0].rows).filter((r) => !r.hidden);
+  d.querySelectorAll("#views button").forEach((b) => {
+    b.click();
+    out.views.push([b.textContent, wrap.scrollWidth, wrap.clientWidth, d.documentElement.scrollWidth]);
+  });
+  d.querySelector("#views button").click();
+  const th = Array.from(t.tHead.rows[0].cells).find((c) => c.textContent === "cells out");
+  th.click(); th.click();  // descending
+  out.sorted = visible().map((r) => r.cells[th.cellIndex].textContent);
+  const filter = d.getElementById("filter");
+  filter.value = "%s"; filter.dispatchEvent(new Event("input"));
+  out.filtered = visible().map((r) => r.cells[0].textContent);
+  out.shown = d.getElementById("shown").textContent;
+  document.getElementById("out").textContent = JSON.stringify(out);
+};
+</script></body></html>"""
+
+
+def _in_chromium(index: Path, tmp: Path, query: str, width: int = 1366) -> tuple[dict, list[str]]:
+    """What the harness measured on ``index`` at ``width`` pixels, and the console lines."""
+    harness = tmp / "harness.html"
+    harness.write_text(HARNESS % (index.resolve().as_uri(), width, query))
+    cmd = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+        "--no-first-run", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", f"--user-data-dir={tmp / 'profile'}", "--enable-logging=stderr",
+        "--v=0", "--allow-file-access-from-files", "--virtual-time-budget=30000",
+        f"--window-size={width + 40},1000", "--dump-dom", harness.resolve().as_uri(),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.search(r'<pre id="out">(.*?)</pre>', done.stdout, re.S)
+    assert found and found.group(1), done.stdout[-2000:]
+    console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+    return orjson.loads(html_unescape(found.group(1))), console
+
+
+def html_unescape(text: str) -> str:
+    import html
+
+    return html.unescape(text)
+
+
+def _check_table(measured: dict) -> None:
+    assert len(measured["views"]) >= 3  # outcomes, run, and at least one view of parameters
+    for name, scroll, client, page in measured["views"]:
+        assert scroll <= client, f"view {name!r} overflows: {scroll} > {client} px"
+        assert page <= 1366, f"view {name!r} widens the page to {page} px"
+    numbers = [int(v) for v in measured["sorted"] if v]
+    assert numbers == sorted(numbers, reverse=True) and numbers
+
+
+skip_without_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="chromium not installed (tests/browser/install.sh installs it)"
 )
+
+
+@skip_without_chromium
 def test_page_renders_in_headless_chromium(cohort, tmp_path):
     import matplotlib.image
 
@@ -243,13 +347,44 @@ def test_page_renders_in_headless_chromium(cohort, tmp_path):
         "--no-first-run", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr",
         "--v=0", "--hide-scrollbars", "--window-size=1400,2200", f"--screenshot={shot}",
-        (cohort.outdir / "index.html").resolve().as_uri(),
+        (cohort.outdir / "samples" / "pbmc2.html").resolve().as_uri(),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    # The page has no scripts; its CSP logs any resource that is not embedded as a console line.
+    # The pages' CSP logs any resource that is not embedded as a console line.
     console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
     assert console == []
     pixels = matplotlib.image.imread(shot)
     assert pixels.shape[:2] == (2200, 1400)
     assert float(np.std(pixels[..., :3])) > 0.05  # not a blank page
+    measured, console = _in_chromium(cohort.outdir / "index.html", tmp_path, "drifty")
+    assert console == []  # the script ran under the CSP, and nothing was refused
+    _check_table(measured)
+    assert measured["filtered"] == ["drifty"] and measured["shown"] == "1"
+
+
+@pytest.fixture(scope="module")
+def cohort_1000(demo_run, demo_replay, tmp_path_factory) -> Path:
+    """1,000 copies of the demo sample, reported (about 20 s): the report at scale."""
+    from agent.report import build_report
+    from agent.report.copies import copy_cohort
+
+    root = tmp_path_factory.mktemp("cohort1000")
+    build_report(copy_cohort(demo_run.outdir, root / "samples", 1000), [], root / "report")
+    return root / "report"
+
+
+def test_index_of_1000_samples_stays_small(cohort_1000):
+    html = (cohort_1000 / "index.html").read_text()
+    assert len(html) < 2_000_000  # the per-sample plots are on the sample pages
+    assert html.count('href="samples/') >= 1000
+    assert len(list((cohort_1000 / "samples").glob("*.html"))) == 1000
+
+
+@skip_without_chromium
+def test_index_of_1000_samples_in_headless_chromium(cohort_1000, tmp_path):
+    measured, console = _in_chromium(cohort_1000 / "index.html", tmp_path, "s012")
+    assert console == []
+    _check_table(measured)
+    assert len(measured["sorted"]) == 1000
+    assert measured["filtered"] == ["s012"] and measured["shown"] == "1"

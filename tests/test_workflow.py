@@ -4,6 +4,7 @@ demo cohort end to end with `snakemake --cores 2` (the README's main command).""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,7 +24,8 @@ def job_counts(output: str) -> dict[str, int]:
 
 def shell_commands(output: str, rule: str) -> list[str]:
     """The shell commands of `rule`'s jobs in a `snakemake -n -p` output, one string per job."""
-    blocks = re.split(r"\n\s*\[[^\]]+\]\s*\n", output)
+    # a job starts at its "[date]" line, a group's jobs after "[date] Group job NAME ..."
+    blocks = re.split(r"\n\s*\[[^\]]+\][^\n]*\n", output)
     found = []
     for block in blocks:
         if re.search(rf"^\s*rule {rule}:", block, re.MULTILINE):
@@ -298,3 +300,114 @@ def test_adding_a_sample_analyses_only_it_and_restarts_no_finished_shard(
     assert (
         json.loads((workflow_dir.path / records["b"]).read_text())["meta"]["status"] == "finished"
     )
+
+
+def test_works_as_a_module_from_another_folder(tmp_path: Path):
+    """Another project's Snakefile imports the workflow as a `module`: its own files (schemas,
+    rules, report captions) are found from the repository, data and results stay in the host."""
+    host = tmp_path / "host"
+    host.mkdir()
+    config = (REPO / "config" / "config.yaml").read_text()
+    (host / "config.yaml").write_text(config.replace("config/samples.tsv", "sheet.tsv"))
+    (host / "sheet.tsv").write_text("sample\tpath\nmine\tdata/demo/mine\n")
+    (host / "Snakefile").write_text(
+        'configfile: "config.yaml"\n\n\n'
+        f'module scagent:\n    snakefile:\n        "{REPO / "Snakefile"}"\n'
+        "    config:\n        config\n\n\n"
+        "use rule * from scagent\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "-p"],
+        cwd=host,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout
+    assert job_counts(out.stdout) == {
+        "demo_data": 1, "analyze": 1, "replay": 1, "report": 1, "all": 1
+    }  # fmt: skip
+    (report,) = shell_commands(out.stdout, "report")
+    assert "--outdir results/report" in report
+    assert f"--workflow-root {os.path.relpath(REPO, host)} " in report  # the repository
+
+
+def test_declared_outputs_benchmarks_and_report_items(workflow_dir: WorkflowDir):
+    """Every file a rule writes is declared; plots/ survives reruns (update), the record, plots
+    and the cohort report folder are report items; analyze and serve write benchmarks."""
+    out = workflow_dir.snakemake("-n", "results/samples/pbmc1/world_state.json")
+    assert out.returncode == 0, out.stdout
+    assert (
+        "output: results/samples/pbmc1/world_state.json, results/samples/pbmc1/metrics.jsonl, "
+        "results/samples/pbmc1/plots (update)" in out.stdout
+    )
+    assert "benchmark: benchmarks/analyze/pbmc1.tsv" in out.stdout
+    assert "checkpoints" not in out.stdout and "adata.h5ad" not in out.stdout
+    rules = {p.stem: p.read_text() for p in (REPO / "workflow" / "rules").glob("*.smk")}
+    assert '"benchmarks/serve_vllm/{shard}.tsv"' in rules["serve"]
+    assert 'htmlindex="index.html"' in rules["report"]
+
+
+def test_config_readme_documents_every_key_and_column():
+    """config/README.md names every key of the config schema and every sheet column."""
+    import yaml
+
+    schemas = REPO / "workflow" / "schemas"
+    doc = (REPO / "config" / "README.md").read_text()
+    config = yaml.safe_load((schemas / "config.schema.yaml").read_text())
+    keys = []
+    for key, spec in config["properties"].items():  # resources.RULE and server.resources too
+        keys += [f"{key}.{sub}" for sub in spec.get("properties", {})] or [key]
+    missing = [k for k in keys if f"`{k}`" not in doc]
+    columns = yaml.safe_load((schemas / "samples.schema.yaml").read_text())["properties"]
+    missing += [f"column {c}" for c in columns if f"| `{c}` |" not in doc]
+    assert not missing, missing
+
+
+@pytest.mark.slow
+def test_snakemake_report_holds_cohort_report_plots_and_world_states(workflow_dir: WorkflowDir):
+    """One demo sample end to end, then `snakemake --report`: the zip holds the cohort report
+    folder (its links included), the sample's world state and plots."""
+    import zipfile
+
+    workflow_dir.write_sheet([{"sample": "pbmc1", "path": "data/demo/pbmc1"}])
+    out = workflow_dir.snakemake("--cores", "2", timeout=1200)
+    assert out.returncode == 0, out.stdout[-5000:]
+    wd = workflow_dir.path
+    assert (wd / "results/samples/pbmc1/plots").is_dir()
+    assert (wd / "benchmarks/analyze/pbmc1.tsv").is_file()
+    out = workflow_dir.snakemake("--report", "report.zip", timeout=600)
+    assert out.returncode == 0, out.stdout[-5000:]
+    names = zipfile.ZipFile(wd / "report.zip").namelist()
+    # the cohort report's folder, whole: index.html beside what it links
+    (index,) = [n for n in names if n.endswith("/index.html") and "/ro-crate/" not in n]
+    folder = index.removesuffix("index.html")
+    for linked in ("cohort.tsv", "ro-crate/ro-crate-metadata.json"):
+        assert folder + linked in names, (linked, names)
+    assert any(n.endswith("/world_state.json") and not n.startswith(folder) for n in names)
+    plots = sorted(p.name for p in (wd / "results/samples/pbmc1/plots").glob("*.png"))
+    assert plots and all(any(n.endswith(f"/{p}") for n in names) for p in plots), names
+    again = workflow_dir.snakemake("--cores", "2", "-n")  # nothing reruns after the report
+    assert "Nothing to be done" in again.stdout, again.stdout
+
+
+def test_apptainer_deployment_plans_every_job_in_its_image(workflow_dir: WorkflowDir, tmp_path):
+    """`--sdm apptainer` with the Slurm profile, as the README says, dry: each job in its rule's
+    image. Snakemake asks the runtime for its version first; where none is installed a stand-in
+    answers (the images themselves are built on the cluster: `apptainer build envs/*.sif ...`)."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if not (shutil.which("apptainer") or shutil.which("singularity")):
+        for name in ("apptainer", "singularity"):
+            stub = bin_dir / name
+            stub.write_text("#!/bin/sh\necho 'apptainer version 1.4.0'\n")
+            stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    out = workflow_dir.snakemake(
+        "-n", "--sdm", "apptainer", "--profile", str(REPO / "profiles" / "slurm"), env=env
+    )
+    assert out.returncode == 0, out.stdout
+    assert job_counts(out.stdout)["analyze"] == 3

@@ -505,13 +505,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--cohort", action="store_true", help="every demo sample, into OUTDIR/NAME/")
     which.add_argument("--cells", type=int, help="a custom sample with this many cell barcodes")
     custom = parser.add_argument_group("custom sample (with --cells)")
-    custom.add_argument("--name", default="custom")
-    custom.add_argument("--seed", type=int, default=0)
+    custom.add_argument("--name", default="custom", help="the sample's name")
+    custom.add_argument("--seed", type=int, default=0, help="seed of the random draws")
     custom.add_argument("--damaged", type=float, default=0.08, help="fraction of damaged singlets")
     custom.add_argument("--doublets", type=float, default=0.05, help="fraction of doublet barcodes")
     custom.add_argument("--empty", type=float, default=0.08, help="empty barcodes per cell barcode")
-    custom.add_argument("--median-umis", type=float, default=4000.0)
-    custom.add_argument("--format", choices=FORMATS, default="mtx")
+    custom.add_argument("--median-umis", type=float, default=4000.0, help="median UMIs per cell")
+    custom.add_argument("--format", choices=FORMATS, default="mtx", help="file format written")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -532,6 +532,10 @@ def main(args: argparse.Namespace) -> int:
             return 2
         jobs = [(spec, outdir)]
     for spec, folder in jobs:
-        path = write_sample(spec, folder)
+        try:
+            path = write_sample(spec, folder)
+        except OSError as e:  # a folder that cannot be made or written: one line, not a traceback
+            print(f"error: cannot write {spec.name} into {folder}: {e}", file=sys.stderr)
+            return 1
         print(json.dumps({"sample": spec.name, "input": str(path), "truth": str(truth_path(path))}))
     return 0

@@ -1,8 +1,10 @@
 """`python -m agent report`: the cohort report from the samples' world states and replays.
 
 Writes into OUTDIR: cohort.tsv (one row per sample: provenance, outcomes, every parameter
-chosen, drift and outlier flags), index.html (self-contained: figures embedded as PNG, a section
-per sample with its steps, plots and replay verdict) and ro-crate/ (a Workflow Run RO-Crate).
+chosen, drift and outlier flags), index.html (the cohort: summary, figures embedded as PNG, one
+compact samples table, sortable and filterable, its columns in views), samples/NAME.html (one
+self-contained page per sample: details, replay, plots, parameters, steps; linked from the index)
+and ro-crate/ (a Workflow Run RO-Crate).
 A sample that failed, or whose world state is missing or unreadable, is shown as failed; it
 never stops the report.
 """
@@ -12,13 +14,19 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
 from agent.durable import atomic_write
 from agent.layout import RECORD, REPLAY
-from agent.report.collect import Sample, load_sample
 from agent.report.drift import FLOOR, THRESHOLD, Flag
+
+if TYPE_CHECKING:
+    from agent.report.collect import Sample
+
+
+SAMPLE_PAGES = "samples"  # OUTDIR/samples/NAME.html, one page per sample
 
 
 def match_replays(world_states: list[Path], replays: list[Path]) -> dict[Path, Path]:
@@ -61,11 +69,12 @@ def build_report(
     floor: float = FLOOR,
     workflow_root: Path = Path("."),
 ) -> list[Sample]:
-    """Write cohort.tsv, index.html and ro-crate/ into ``outdir``; returns the samples read."""
+    """Write cohort.tsv, index.html, samples/ and ro-crate/ into ``outdir``; returns the samples."""
     from agent.report.cohort import build_table, parameter_columns
+    from agent.report.collect import load_sample
     from agent.report.crate import write_crate
     from agent.report.drift import flag_cohort
-    from agent.report.html import render
+    from agent.report.html import context, render_index, render_samples
     from agent.report.plots import cohort_figures
 
     replay_of = match_replays(world_states, replays)
@@ -84,10 +93,20 @@ def build_report(
     table["outliers"] = [_flags_text(outliers, s) for s in table["sample"]]
     outdir.mkdir(parents=True, exist_ok=True)
     publish(outdir / "cohort.tsv", table.to_csv(sep="\t", index=False).encode())
+    ctx = context(table, samples, parameters, drift, outliers)
+    pages = outdir / SAMPLE_PAGES
+    pages.mkdir(exist_ok=True)
+    current = set(ctx.pages.values())
+    for old in pages.glob("*.html"):  # pages of samples no longer in the cohort
+        if old.name not in current:
+            old.unlink()
+    for name, page in render_samples(ctx, samples):
+        publish(pages / name, page.encode())
     figures = cohort_figures(table, samples, parameters, drift)
-    page = render(table, samples, parameters, drift, outliers, figures, threshold, floor)
-    publish(outdir / "index.html", page.encode())
-    write_crate(outdir, samples, [outdir / "cohort.tsv", outdir / "index.html"], workflow_root)
+    publish(outdir / "index.html", render_index(ctx, samples, figures, threshold, floor).encode())
+    write_crate(
+        outdir, samples, [outdir / "cohort.tsv", outdir / "index.html"], workflow_root, pages
+    )
     return samples
 
 
@@ -131,8 +150,12 @@ def main(args: argparse.Namespace) -> int:
     missing = [str(p) for p in args.replays if not p.is_file()]
     if missing:
         print(f"note: replay files not found (shown as not replayed): {missing}", file=sys.stderr)
-    if args.truth_dir is not None and not args.truth_dir.is_dir():
-        print(f"error: --truth-dir {args.truth_dir} is not a folder", file=sys.stderr)
+    for flag, folder in (("--truth-dir", args.truth_dir), ("--workflow-root", args.workflow_root)):
+        if folder is not None and not folder.is_dir():
+            print(f"error: {flag} {folder} is not a folder", file=sys.stderr)
+            return 2
+    if args.outdir.exists() and not args.outdir.is_dir():
+        print(f"error: --outdir {args.outdir} is not a folder", file=sys.stderr)
         return 2
     try:
         samples = build_report(
@@ -147,6 +170,9 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. an --outdir that cannot be written
+        print(f"error: cannot write the report into {args.outdir}: {e}", file=sys.stderr)
+        return 1
     failed = [s.name for s in samples if s.failed]
     print(
         f"report of {len(samples)} samples ({len(failed)} failed{': ' + ', '.join(failed) if failed else ''})"

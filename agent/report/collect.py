@@ -8,6 +8,7 @@ exception that would lose the other samples.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -85,13 +86,19 @@ def read_replay(path: Path) -> dict[str, Any]:
     return doc
 
 
-def read_obs(path: Path) -> pd.DataFrame:
-    """Only the cell annotations of an .h5ad (fast: the matrix is never read)."""
+def read_obs(path: Path, columns: list[str] | None = None) -> pd.DataFrame:
+    """The cell annotations of an .h5ad (the matrix is never read); with ``columns``, only the
+    cell names and those columns (at 1,000 samples the whole obs is a third of the report's time).
+    """
     import h5py
     from anndata.io import read_elem
 
     with h5py.File(path, "r") as f:
-        return read_elem(f["obs"])
+        obs = f["obs"]
+        if columns is None:
+            return read_elem(obs)
+        index = pd.Index(read_elem(obs[obs.attrs["_index"]]))
+        return pd.DataFrame({c: read_elem(obs[c]) for c in columns if c in obs}, index=index)
 
 
 def find_truth(sample: str, input_path: str | None, truth_dir: Path | None) -> Path | None:
@@ -149,17 +156,28 @@ def load_sample(
         sample.replay = attempt(str(replay_path), lambda: read_replay(replay_path))
     if layout.final.is_file():
         sample.final = layout.final
-        sample.final_obs = attempt(str(sample.final), lambda: read_obs(layout.final))
+        key = cluster_key(sample)
+        sample.final_obs = attempt(str(sample.final), lambda: read_obs(layout.final, [key]))
     if layout.plots.is_dir():
         sample.plots = plots_in_order(sample)
     sample.truth_path = find_truth(sample.name, sample.meta.get("input"), truth_dir)
     if sample.truth_path and sample.final_obs is not None:
-        key = cluster_key(sample)
         sample.scores = attempt(
             str(sample.truth_path),
-            lambda: score(sample.final_obs, read_truth(sample.truth_path), key),
+            lambda: score(sample.final_obs, _truth(sample.truth_path), cluster_key(sample)),
         )
     return sample
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_truth(path: Path, stamp: tuple[int, int]) -> pd.DataFrame:
+    return read_truth(path)
+
+
+def _truth(path: Path) -> pd.DataFrame:
+    """read_truth, once per file and version: samples of one input share its truth table."""
+    st = path.stat()
+    return _cached_truth(path.resolve(), (st.st_mtime_ns, st.st_size))
 
 
 def plots_in_order(sample: Sample) -> list[Path]:

@@ -180,7 +180,11 @@ def _sample_actions(
 
 
 def write_crate(
-    outdir: Path, samples: list[Sample], report_files: list[Path], workflow_root: Path
+    outdir: Path,
+    samples: list[Sample],
+    report_files: list[Path],
+    workflow_root: Path,
+    pages: Path | None = None,
 ) -> Path:
     """Write ``outdir/ro-crate/``; returns the path of its ro-crate-metadata.json."""
     target = outdir / "ro-crate"
@@ -209,6 +213,13 @@ def write_crate(
         inputs += i
         outputs += o
     report = [crate.add_file(f, f.name) for f in report_files if f.is_file()]
+    if pages is not None and pages.is_dir():
+        # referred to, not copied: the pages embed every plot (hundreds of MB at 1,000 samples)
+        report.append(
+            crate.add_dataset(
+                _uri(pages), properties={"name": "the report's page per sample (HTML)"}
+            )
+        )
     started = sorted(s.meta["started"] for s in samples if s.meta.get("started"))
     run = crate.add_action(
         workflow or _agent(crate, versions()),

@@ -1,10 +1,20 @@
-"""index.html: one self-contained page (inline CSS, images as base64 PNG, no external URLs)."""
+"""The report's pages: index.html (the cohort) and samples/NAME.html (one page per sample).
+
+Both kinds are self-contained (inline CSS and script, images as base64 PNG, no external URLs) and
+sized for 1,000 samples: the index holds the cohort summary, its figures and one compact samples
+table whose columns come in views that each fit a laptop screen, sorted and filtered in the
+browser; everything per sample (details, replay, plots, steps, parameters) is on its own page.
+"""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import math
 import re
 from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
@@ -13,20 +23,28 @@ import jinja2
 import orjson
 import pandas as pd
 
+from agent.report.cohort import labels_found
 from agent.report.collect import Sample
 from agent.report.drift import Flag
 from agent.report.plots import Figure, png_file
 
-# The overview table: column -> header. The TSV holds every column; the page the readable ones.
-OVERVIEW = {
-    "sample": "sample", "status": "status", "policy": "policy", "model": "model",
-    "steps": "steps", "errors": "errors", "cells_before": "cells in", "cells_after": "cells out",
-    "cells_kept_fraction": "kept", "doublets_removed": "doublets removed",
-    "clusters": "clusters", "labels": "labels", "ari": "ARI", "doublet_recall": "doublet recall",
-    "replay": "replay", "iterations": "iterations", "seconds": "seconds",
-    "prompt_tokens": "prompt tok.", "completion_tokens": "compl. tok.",
-    "cached_tokens": "cached tok.", "truncations": "trunc.",
+# The samples table of the index: columns always shown, then views of a few columns each
+# (column -> header), so that no view is wider than a 1366-pixel screen. cohort.tsv holds every
+# column; the sample pages everything per sample.
+FIXED = {"sample": "sample", "status": "status", "replay": "replay"}
+VIEWS = {
+    "outcomes": {
+        "cells_before": "cells in", "cells_after": "cells out", "cells_kept_fraction": "kept",
+        "doublets_removed": "doublets removed", "clusters": "clusters", "ari": "ARI",
+        "doublet_recall": "doublet recall", "flags": "flags",
+    },
+    "run": {
+        "policy": "policy", "model": "model", "steps": "steps", "errors": "errors",
+        "iterations": "iterations", "seconds": "seconds", "prompt_tokens": "prompt tok.",
+        "completion_tokens": "compl. tok.", "cached_ratio": "cached", "truncations": "trunc.",
+    },
 }  # fmt: skip
+PARAMETERS_PER_VIEW = 6  # parameter headers are wide (tool and name on two lines)
 RESULT_CHARS = 1200  # longer step results are cut in the page (the world state has them whole)
 REPLAY_STEPS_SHOWN = 6  # after a divergence most later steps differ too; replay.json lists all
 
@@ -44,8 +62,19 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def anchor(name: str) -> str:
-    return "s-" + re.sub(r"[^A-Za-z0-9_-]+", "-", name)
+def page_names(names: list[str]) -> dict[str, str]:
+    """sample -> its page's file name under samples/: safe characters, unique among the cohort."""
+    out: dict[str, str] = {}
+    taken: set[str] = set()
+    for name in names:
+        base = re.sub(r"[^A-Za-z0-9_-]+", "_", name).strip("_") or "sample"
+        stem, k = base, 1
+        while stem.lower() in taken:  # case-insensitive file systems too
+            k += 1
+            stem = f"{base}-{k}"
+        taken.add(stem.lower())
+        out[name] = f"{stem}.html"
+    return out
 
 
 def compact(value: Any, limit: int = RESULT_CHARS) -> str:
@@ -86,6 +115,7 @@ def _replay_note(replay: dict[str, Any]) -> str:
 
 
 def _sample_view(sample: Sample) -> dict[str, Any]:
+    """What a sample's page shows, apart from the cohort context (flags, parameters)."""
     meta = sample.meta
     details = [
         ("input", meta.get("input")),
@@ -129,7 +159,6 @@ def _sample_view(sample: Sample) -> dict[str, Any]:
     ]
     return {
         "name": sample.name,
-        "id": anchor(sample.name),
         "status": sample.status,
         "status_class": status_class(sample.status),
         "error": sample.error,
@@ -142,6 +171,7 @@ def _sample_view(sample: Sample) -> dict[str, Any]:
         "details": [(k, fmt(v)) for k, v in details if v not in (None, "")],
         "versions": meta.get("versions") or {},
         "scores": [(k, fmt(v)) for k, v in (sample.scores or {}).items()],
+        "labels": labels_found(sample),
         "replay": replay,
         "replay_note": _replay_note(replay),
         "replay_verdict": replay.get("verdict", "not replayed"),
@@ -153,16 +183,32 @@ def _sample_view(sample: Sample) -> dict[str, Any]:
     }
 
 
-def render(
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    tool: str = ""  # parameter columns: the tool, shown above the parameter's name
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the index and the sample pages share: the table, flags, medians and page names."""
+
+    table: pd.DataFrame
+    parameters: list[str]
+    flagged: dict[tuple[str, str], str]  # (sample, column) -> the flag in words
+    per_sample: dict[str, list[tuple[str, str]]]  # sample -> (kind, flag) for each flag
+    medians: dict[str, str]  # numeric column -> median over the finished samples
+    pages: dict[str, str]  # sample -> file name under samples/
+
+
+def context(
     table: pd.DataFrame,
     samples: list[Sample],
     parameters: list[str],
     drift: list[Flag],
     outliers: list[Flag],
-    figures: list[Figure],
-    threshold: float,
-    floor: float,
-) -> str:
+) -> Context:
     flagged: dict[tuple[str, str], str] = {(f.sample, f.column): str(f) for f in drift + outliers}
     for f in outliers:  # the outcome behind a derived outlier column
         if f.column == "doublets_removed_fraction":
@@ -171,32 +217,79 @@ def render(
     for kind, flags in (("parameter drift", drift), ("outcome outlier", outliers)):
         for f in flags:
             per_sample[f.sample].append((kind, str(f)))
-
-    def cells(rec: dict[str, Any], columns: list[str]) -> list[dict[str, Any]]:
-        out = []
-        for c in columns:
-            v = rec.get(c)
-            text = f"{v:.0%}" if c == "cells_kept_fraction" and v is not None else fmt(v)
-            numeric = isinstance(v, int | float) and not isinstance(v, bool)
-            flag = flagged.get((rec["sample"], c))
-            out.append({"text": text, "flag": flag, "col": c, "numeric": numeric})
-        return out
-
-    records = table.to_dict("records")
-    overview = [c for c in OVERVIEW if c in table.columns]
-    medians = {}
     done = table[table["status"] == "finished"]
-    for c in parameters:
+    medians = {}
+    for c in table.columns:
         values = pd.to_numeric(done[c], errors="coerce").dropna()
-        medians[c] = fmt(float(values.median())) if len(values) else ""
-    counts = {
-        "samples": len(samples),
-        "finished": sum(not s.failed for s in samples),
-        "failed": sum(s.failed for s in samples),
-        "reproduced": sum((s.replay or {}).get("verdict") == "reproduced" for s in samples),
-        "flagged": len(per_sample),
-    }
-    env = jinja2.Environment(
+        present = done[c].dropna()
+        if len(values) and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in present
+        ):
+            medians[c] = fmt(float(values.median()))
+    return Context(
+        table, parameters, flagged, dict(per_sample), medians, page_names([s.name for s in samples])
+    )
+
+
+def constant_parameters(ctx: Context) -> dict[str, Any]:
+    """Parameters every finished sample chose alike: listed once on the index, not as columns."""
+    done = ctx.table[ctx.table["status"] == "finished"]
+    out = {}
+    for c in ctx.parameters:
+        values = done[c].tolist()
+        if values and all(fmt(v) == fmt(values[0]) and fmt(v) for v in values):
+            out[c] = values[0]
+    return out
+
+
+def views(ctx: Context, constant: dict[str, Any]) -> list[tuple[str, list[Column]]]:
+    """Named column sets of the samples table; varying parameters a few at a time, by tool."""
+    out = [
+        (name, [Column(c, h) for c, h in cols.items() if c in ctx.table.columns or c == "flags"])
+        for name, cols in VIEWS.items()
+    ]
+    chunks: list[list[str]] = []
+    for c in (c for c in ctx.parameters if c not in constant):
+        tool = c.split(".", 1)[0]
+        last = chunks[-1] if chunks else None
+        # a new view when this one is full, or would split a tool it could hold whole
+        tool_size = sum(p.split(".", 1)[0] == tool for p in ctx.parameters if p not in constant)
+        starts_tool = not last or last[-1].split(".", 1)[0] != tool
+        if (
+            last is None
+            or len(last) >= PARAMETERS_PER_VIEW
+            or (starts_tool and len(last) + tool_size > PARAMETERS_PER_VIEW)
+        ):
+            chunks.append([])
+        chunks[-1].append(c)
+    for chunk in chunks:
+        tools = list(dict.fromkeys(c.split(".", 1)[0] for c in chunk))
+        columns = [Column(c, c.split(".", 1)[1], c.split(".", 1)[0]) for c in chunk]
+        out.append(("parameters: " + ", ".join(tools), columns))
+    return [(name, cols) for name, cols in out if cols]
+
+
+def _cell(ctx: Context, rec: dict[str, Any], key: str) -> tuple[str, str, str]:
+    """(text, CSS class, title) of one cell of the samples table."""
+    name = rec["sample"]
+    if key == "flags":
+        flags = ctx.per_sample.get(name, [])
+        return (
+            str(len(flags)) if flags else "",
+            "n f" if flags else "n",
+            "; ".join(t for _, t in flags),
+        )
+    v = rec.get(key)
+    text = f"{v:.0%}" if key == "cells_kept_fraction" and v is not None else fmt(v)
+    if key == "cached_ratio" and v is not None:
+        text = f"{v:.0%}"
+    numeric = isinstance(v, int | float) and not isinstance(v, bool)
+    flag = ctx.flagged.get((name, key), "")
+    return text, " ".join(filter(None, ["n" if numeric else "", "f" if flag else ""])), flag
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
         loader=jinja2.FunctionLoader(
             lambda name: resources.files("agent.report").joinpath("templates", name).read_text()
         ),
@@ -205,29 +298,113 @@ def render(
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    return env.get_template("index.html.j2").render(
-        generated=datetime.now(UTC).isoformat(timespec="seconds"),
-        css=resources.files("agent.report").joinpath("templates", "style.css").read_text(),
-        counts=counts,
-        overview_headers=[OVERVIEW[c] for c in overview],
-        overview_rows=[
+
+
+def _asset(name: str) -> str:
+    return resources.files("agent.report").joinpath("templates", name).read_text()
+
+
+def script_hash(script: str) -> str:
+    """The CSP source that allows exactly this inline script and no other."""
+    return "'sha256-" + base64.b64encode(hashlib.sha256(script.encode()).digest()).decode() + "'"
+
+
+def render_index(
+    ctx: Context,
+    samples: list[Sample],
+    figures: list[Figure],
+    threshold: float,
+    floor: float,
+) -> str:
+    constant = constant_parameters(ctx)
+    table_views = views(ctx, constant)
+    fixed = [Column(c, h) for c, h in FIXED.items()]
+    columns = fixed + [c for _, cols in table_views for c in cols]
+    # each view shows the fixed columns and its own range of the table's columns (1-based)
+    ranges, start = [], len(fixed) + 1
+    for _, cols in table_views:
+        ranges.append((start, start + len(cols) - 1))
+        start += len(cols)
+    rows = []
+    for rec in ctx.table.to_dict("records"):
+        name = rec["sample"]
+        classes = ["failed" if rec["status"] != "finished" else ""]
+        classes.append("flagged" if name in ctx.per_sample else "")
+        classes.append("" if rec["replay"] in ("reproduced", "within tolerance") else "unreplayed")
+        rows.append(
             {
-                "id": anchor(r["sample"]),
-                "failed": r["status"] != "finished",
-                "error": r["error"],
-                "status_class": status_class(r["status"]),
-                "replay_class": verdict_class(r["replay"]),
-                "cells": cells(r, overview),
+                "name": name,
+                "page": "samples/" + ctx.pages[name],
+                "classes": " ".join(filter(None, classes)),
+                "status": fmt(rec["status"]),
+                "status_class": status_class(rec["status"]),
+                "error": rec["error"],
+                "replay": fmt(rec["replay"]),
+                "replay_class": verdict_class(rec["replay"]),
+                "cells": [_cell(ctx, rec, c.key) for c in columns[len(fixed) :]],
             }
-            for r in records
-        ],
-        parameters=parameters,
-        parameter_rows=[{"sample": r["sample"], "cells": cells(r, parameters)} for r in records],
-        medians=[medians[c] for c in parameters],
-        flags=sorted(per_sample.items()),
-        anchors={s.name: anchor(s.name) for s in samples},
-        threshold=threshold,
-        floor=floor,
-        figures=figures,
-        samples=[_sample_view(s) for s in samples],
+        )
+    script = _asset("index.js")
+    return (
+        _environment()
+        .get_template("index.html.j2")
+        .render(
+            generated=datetime.now(UTC).isoformat(timespec="seconds"),
+            css=_asset("style.css"),
+            script=script,
+            script_hash=script_hash(script),
+            counts={
+                "samples": len(samples),
+                "finished": sum(not s.failed for s in samples),
+                "failed": sum(s.failed for s in samples),
+                "reproduced": sum((s.replay or {}).get("verdict") == "reproduced" for s in samples),
+                "flagged": len(ctx.per_sample),
+            },
+            views=[name for name, _ in table_views],
+            ranges=ranges,
+            fixed=fixed,
+            columns=columns[len(fixed) :],
+            medians=[ctx.medians.get(c.key, "") for c in columns[len(fixed) :]],
+            rows=rows,
+            constant=[(c, fmt(v)) for c, v in constant.items()],
+            flags=sorted(ctx.per_sample.items()),
+            pages={n: "samples/" + p for n, p in ctx.pages.items()},
+            threshold=threshold,
+            floor=floor,
+            figures=figures,
+        )
     )
+
+
+def render_samples(ctx: Context, samples: list[Sample]) -> Iterator[tuple[str, str]]:
+    """(file name, page) for each sample, one at a time: together they hold every plot."""
+    template = _environment().get_template("sample.html.j2")
+    css = _asset("style.css")
+    records = {r["sample"]: r for r in ctx.table.to_dict("records")}
+    names = [s.name for s in samples]
+    for i, sample in enumerate(samples):
+        rec = records[sample.name]
+        parameters = [
+            {
+                "tool": c.split(".", 1)[0],
+                "name": c.split(".", 1)[1],
+                "value": fmt(rec.get(c)),
+                "median": ctx.medians.get(c, ""),
+                "flag": ctx.flagged.get((sample.name, c)),
+            }
+            for c in ctx.parameters
+            if fmt(rec.get(c))
+        ]
+        yield (
+            ctx.pages[sample.name],
+            template.render(
+                css=css,
+                s=_sample_view(sample),
+                flags=ctx.per_sample.get(sample.name, []),
+                parameters=parameters,
+                previous=ctx.pages[names[i - 1]] if i > 0 else None,
+                next=ctx.pages[names[i + 1]] if i + 1 < len(names) else None,
+                position=i + 1,
+                total=len(samples),
+            ),
+        )

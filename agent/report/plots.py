@@ -1,4 +1,9 @@
-"""The cohort's figures, drawn with matplotlib and embedded in the page as base64 PNG."""
+"""The cohort's figures, drawn with matplotlib and embedded in the page as base64 PNG.
+
+Up to ``PER_SAMPLE_FIGURES`` samples the figures have a row per sample; a larger cohort gets
+distributions instead (a figure with a row per sample is unreadable, and megabytes, at 1,000):
+the sample pages and the sortable table of the index show each sample's numbers.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +41,10 @@ STYLE = {
 }
 
 
+PER_SAMPLE_FIGURES = 40  # samples; above it, histograms
+MANY_LINES = 40  # series per panel above which lines are drawn thin and without markers
+
+
 @dataclass(frozen=True)
 class Figure:
     title: str
@@ -62,7 +71,60 @@ def _values(table: pd.DataFrame, col: str) -> np.ndarray:
     return pd.to_numeric(table[col], errors="coerce").to_numpy(dtype=float)
 
 
+def _hist(ax: plt.Axes, x: np.ndarray, label: str, integer: bool = False) -> None:
+    """A histogram of the finite values with the median dashed, or a note that there are none."""
+    x = x[np.isfinite(x)]
+    if not len(x):
+        ax.text(0.5, 0.5, "no values", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel(label)
+        return
+    if integer:
+        bins = np.arange(np.floor(x.min()) - 0.5, np.ceil(x.max()) + 1.5)
+    else:
+        bins = min(40, max(10, len(x) // 10))
+    ax.hist(x, bins=bins, color=KEPT)
+    ax.axvline(float(np.median(x)), color=MEDIAN, ls="--", lw=1)
+    ax.set_xlabel(label)
+    ax.set_ylabel("samples")
+
+
+def _failed_note(table: pd.DataFrame) -> str:
+    failed = int((table["status"] != "finished").sum())
+    return f" ({failed} failed samples not shown)" if failed else ""
+
+
+def cells_kept_distribution(table: pd.DataFrame) -> Figure:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.2))
+    _hist(a, _values(table, "cells_kept_fraction"), "fraction of loaded barcodes kept")
+    a.set_title("Cells kept")
+    _hist(b, _values(table, "cells_after"), "cells in the final object")
+    b.set_title("Cells after QC and doublet removal")
+    fig.tight_layout()
+    return Figure(
+        "Cells kept per sample",
+        f"Distribution over the {len(table)} samples; dashed: median{_failed_note(table)}. "
+        "Each sample's numbers: the samples table (sortable) and its page.",
+        encode(fig),
+    )
+
+
+def clusters_distribution(table: pd.DataFrame) -> Figure:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.2))
+    _hist(a, _values(table, "clusters"), "Leiden clusters in the final object", integer=True)
+    a.set_title("Clusters per sample")
+    _hist(b, _values(table, "ari"), "adjusted Rand index against the planted types")
+    b.set_title("Agreement with the planted truth")
+    fig.tight_layout()
+    return Figure(
+        "Clusters per sample",
+        f"Distribution over the {len(table)} samples; dashed: median{_failed_note(table)}.",
+        encode(fig),
+    )
+
+
 def cells_kept(table: pd.DataFrame) -> Figure:
+    if len(table) > PER_SAMPLE_FIGURES:
+        return cells_kept_distribution(table)
     names = list(table["sample"])
     before, after = _values(table, "cells_before"), _values(table, "cells_after")
     fig, ax = plt.subplots(figsize=(7, _height(len(names))))
@@ -92,6 +154,8 @@ def qc_thresholds(table: pd.DataFrame, parameters: list[str], drift: list[Flag])
         return None
     flagged = {(f.sample, f.column) for f in drift}
     names = list(table["sample"])
+    if len(names) > PER_SAMPLE_FIGURES:
+        return qc_threshold_distributions(table, cols, drift)
     ncol = min(3, len(cols))
     nrow = -(-len(cols) // ncol)
     fig, axes = plt.subplots(
@@ -117,7 +181,28 @@ def qc_thresholds(table: pd.DataFrame, parameters: list[str], drift: list[Flag])
     )
 
 
+def qc_threshold_distributions(table: pd.DataFrame, cols: list[str], drift: list[Flag]) -> Figure:
+    ncol = min(3, len(cols))
+    nrow = -(-len(cols) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.4 * ncol, 0.4 + 2.4 * nrow), squeeze=False)
+    for ax, col in zip(axes.flat, cols, strict=False):
+        _hist(ax, _values(table, col), "")
+        n = sum(f.column == col for f in drift)
+        ax.set_title(col + (f"  ({n} flagged)" if n else ""), fontsize=9)
+    for ax in list(axes.flat)[len(cols) :]:
+        ax.remove()
+    fig.tight_layout()
+    return Figure(
+        "QC thresholds across the cohort",
+        "Distribution of each threshold over the samples; dashed: cohort median; the flagged "
+        "samples are listed under 'Samples to look at'.",
+        encode(fig),
+    )
+
+
 def clusters(table: pd.DataFrame) -> Figure:
+    if len(table) > PER_SAMPLE_FIGURES:
+        return clusters_distribution(table)
     names = list(table["sample"])
     n, ari = _values(table, "clusters"), _values(table, "ari")
     planted = _values(table, "planted_types")
@@ -162,8 +247,12 @@ def _lines(ax: plt.Axes, series: dict[str, tuple[np.ndarray, np.ndarray]], empty
         ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, color=MEDIAN)
         ax.axis("off")
         return
+    many = len(series) > MANY_LINES
     for name, (x, v) in series.items():
-        ax.plot(x, v, lw=1.2, marker="o" if len(x) < 40 else None, ms=2.5, label=name)
+        if many:  # one faint line per sample: the spread shows, no legend could
+            ax.plot(x, v, lw=0.5, alpha=0.3, color=KEPT)
+        else:
+            ax.plot(x, v, lw=1.2, marker="o" if len(x) < 40 else None, ms=2.5, label=name)
     ax.set_xlabel("iteration")
     if len(series) <= 12:
         ax.legend(frameon=False, fontsize=7, ncol=2)

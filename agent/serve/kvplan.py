@@ -284,7 +284,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--params", type=float, default=None, help="parameter count (else estimated)"
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_UTILIZATION)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_UTILIZATION,
+        help="share of GPU memory vLLM may use",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

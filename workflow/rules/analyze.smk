@@ -3,8 +3,14 @@
 # (the files' names: agent/layout.py). An analysis that ends unfinished (e.g. unreadable input)
 # still exits 0 with its record: the report shows it as failed. A fault of the machine (server
 # gone, I/O error, SIGTERM at a time limit) exits non-zero; the unfinished record in checkpoints/
-# (not an output, so Snakemake keeps it) lets the retry resume. A rerun of a finished sample with
-# the same settings keeps its record (the same file) and redoes nothing.
+# lets the retry resume. A rerun of a finished sample with the same settings keeps its record
+# (the same file) and redoes nothing.
+#
+# Declared: the record, the metrics and plots/ (made even when nothing was drawn). Not declared:
+# adata.h5ad, which only a finished analysis writes (Snakemake has no optional outputs, and a
+# missing declared output fails the job), and checkpoints/, since Snakemake deletes the declared
+# outputs of a failed job and the retry resumes from it. plots/ is `update()`: Snakemake would
+# otherwise delete it before every rerun, and a kept analysis draws nothing again.
 
 
 rule analyze:
@@ -12,24 +18,43 @@ rule analyze:
     input:
         unpack(analyze_input),
     output:
-        world_state=str(SAMPLE.record),
+        world_state=report(
+            str(SAMPLE.record),
+            caption="../report/world_state.rst",
+            category="Samples",
+            subcategory="{sample}",
+            labels={"sample": "{sample}", "item": "world state"},
+        ),
         metrics=str(SAMPLE.metrics),
+        plots=update(
+            report(
+                directory(str(SAMPLE.plots)),
+                patterns=["{name}.png"],
+                caption="../report/plots.rst",
+                category="Samples",
+                subcategory="{sample}",
+                labels={"sample": "{sample}", "item": "plot {name}"},
+            )
+        ),
     log:
         "logs/analyze/{sample}.log",
+    benchmark:
+        "benchmarks/analyze/{sample}.tsv"
     params:
         args=analyze_args,
         outdir=lambda wildcards: str(SAMPLE.root).format(sample=wildcards.sample),
         wait_for_server=wait_for_server,
     threads: sample_value("cpus_per_task")
     resources:
-        runtime=sample_value("runtime"),
-        mem_mb=sample_value("mem_mb"),
+        runtime=sample_per_attempt("runtime"),
+        mem_mb=sample_per_attempt("mem_mb"),
         cpus_per_task=sample_value("cpus_per_task"),
         **analyze_partition(),
     group:
         analyze_group
     conda:
         "../../envs/agent.yaml"
+    container: "envs/agent.sif"
     shell:
         """
         echo "host $(hostname), slurm job ${{SLURM_JOB_ID:-none}}" > {log:q}
@@ -37,4 +62,5 @@ rule analyze:
         # BLAS threads within the job's allocation
         export OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} MKL_NUM_THREADS={threads}
         python -m agent run --outdir {params.outdir:q} {params.args} >> {log:q} 2>&1
+        mkdir -p {output.plots:q}  # an analysis that drew nothing still has the declared folder
         """

@@ -9,13 +9,16 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-# `agent` imports from any working directory: Snakemake puts the Snakefile's folder (the
-# repository root, workflow.basedir) on sys.path, besides the package being installed.
+# `agent` imports from any working directory: it is installed (scripts/setup.sh), and Snakemake
+# puts the main Snakefile's folder on sys.path.
 from agent.endpoint import EndpointError, read_api_key
 from agent.layout import SampleLayout
 from agent.samplesheet import SampleSheetError, load_sheet
 
-SAMPLE_SCHEMA = Path(workflow.basedir) / "workflow" / "schemas" / "samples.schema.yaml"
+# Paths of this workflow's own files come from this file's folder (workflow.current_basedir), not
+# workflow.basedir: imported as a `module`, the latter is the importing Snakefile's folder.
+WORKFLOW_ROOT = Path(workflow.current_basedir.get_path_or_uri(secret_free=True)).parents[1]  # the repository
+SAMPLE_SCHEMA = Path(workflow.source_path("../schemas/samples.schema.yaml"))
 # A sample's folder; its files' names come from agent/layout.py.
 SAMPLE = SampleLayout("results/samples/{sample}")
 
@@ -95,9 +98,23 @@ SHARD_OF = {name: shard for shard, members in SHARDS.items() for name in members
 # ---- functions the rules call (one dict look-up per job) ----
 
 
+# Memory and runtime grow with each attempt (the profile's `retries`): a job killed for either
+# would fail again with the same amount.
+GROWING = ("mem_mb", "runtime")
+
+
+def per_attempt(value):
+    """A resource that is `value` on the first attempt, twice that on the second, ..."""
+    return lambda wildcards, attempt: value * attempt
+
+
 def job_resources(spec):
     """Resources from a config entry; an empty partition is left to the profile's default."""
-    return {key: value for key, value in spec.items() if key != "slurm_partition" or value}
+    return {
+        key: per_attempt(value) if key in GROWING else value
+        for key, value in spec.items()
+        if key != "slurm_partition" or value
+    }
 
 
 def rule_resources(rule_name):
@@ -113,6 +130,11 @@ def server_resources():
 def sample_value(key):
     """A per-sample setting as an input function (sheet cell, else the config default)."""
     return lambda wildcards: SAMPLES[wildcards.sample][key]
+
+
+def sample_per_attempt(key):
+    """A per-sample resource, multiplied by the attempt (see GROWING)."""
+    return lambda wildcards, attempt: SAMPLES[wildcards.sample][key] * attempt
 
 
 def analyze_partition():

@@ -14,5 +14,6 @@ rule demo_data:
     threads: 1
     conda:
         "../../envs/agent.yaml"
+    container: "envs/agent.sif"
     shell:
         "python -m agent synth --outdir {params.outdir:q} --sample {wildcards.name:q} > {log:q} 2>&1"

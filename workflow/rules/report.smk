@@ -15,6 +15,7 @@ rule replay:
         **rule_resources("replay"),
     conda:
         "../../envs/agent.yaml"
+    container: "envs/agent.sif"
     shell:
         """
         export OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} MKL_NUM_THREADS={threads}
@@ -31,19 +32,26 @@ rule report:
         world_states=expand(str(SAMPLE.record), sample=SAMPLES),
         replays=expand(str(SAMPLE.replay), sample=SAMPLES),
     output:
-        html=report("results/report/index.html", category="Cohort report"),
-        tsv="results/report/cohort.tsv",
-        crate="results/report/ro-crate/ro-crate-metadata.json",
+        # One folder: index.html links cohort.tsv and ro-crate/, which `snakemake --report`
+        # ships with it only when they are one htmlindex item.
+        report=report(
+            directory("results/report"),
+            htmlindex="index.html",
+            caption="../report/cohort.rst",
+            category="Cohort report",
+        ),
     log:
         "logs/report/report.log",
     params:
-        outdir=lambda wildcards, output: Path(output.html).parent,
-        workflow_root=workflow.basedir,  # the Snakefile's folder, for the crate
+        # the Snakefile's folder, for the crate; relative, so that moving the checkout together
+        # with its results does not change the param (a changed param reruns the report)
+        workflow_root=os.path.relpath(WORKFLOW_ROOT),
     resources:
         **rule_resources("report"),
     threads: 1
     conda:
         "../../envs/agent.yaml"
+    container: "envs/agent.sif"
     shell:
         "python -m agent report --world-states {input.world_states:q} --replays {input.replays:q}"
-        " --outdir {params.outdir:q} --workflow-root {params.workflow_root:q} > {log:q} 2>&1"
+        " --outdir {output.report:q} --workflow-root {params.workflow_root:q} > {log:q} 2>&1"

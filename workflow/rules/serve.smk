@@ -11,6 +11,8 @@ rule serve_vllm:
         endpoint=temp(service(ENDPOINT)),
     log:
         "logs/serve_vllm/{shard}.log",
+    benchmark:
+        "benchmarks/serve_vllm/{shard}.tsv"
     params:
         command=SERVER["command"],
         args=serve_args,
@@ -21,6 +23,7 @@ rule serve_vllm:
         "server_{shard}"
     conda:
         "../../envs/vllm.yaml"
+    container: "envs/vllm.sif"
     shell:
         # exec: the server itself receives Snakemake's SIGTERM at the end, not a wrapping shell
         "exec {params.command} --endpoint-file {output.endpoint:q} {params.args} > {log:q} 2>&1"
