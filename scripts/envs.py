@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENVS = ROOT / "envs"
 
 # pyproject dependencies that drive the workflow from the submit host; no rule's job imports them
-WORKFLOW_ONLY = {"snakemake", "snakemake-executor-plugin-slurm"}
+WORKFLOW_ONLY = {"snakemake", "snakemake-executor-plugin-slurm", "pygments"}
 # conda-forge names where they differ from PyPI's
 CONDA_NAMES = {
     "igraph": "python-igraph",
