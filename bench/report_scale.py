@@ -1,6 +1,6 @@
 """How the cohort report scales: build seconds and sizes at 100 and 1,000 samples.
 
-The cohorts are copies of one finished sample folder (`agent.report.copies.copy_cohort`: new
+The cohorts are copies of one finished sample folder (`agent.testing.cohort_copies.copy_cohort`: new
 names, a few numbers changed, final AnnData and plots hard-linked), so the figures measure the
 report, not 1,000 analyses. The sample is a reference-policy run of the demo sample pbmc2, made
 first (about 30 s) unless `--sample-dir DIR` gives a finished sample folder (with replay.json).
@@ -57,7 +57,7 @@ def main() -> int:
     # imported before timing: the tools' import compiles numba kernels once per process
     import agent.report.cohort  # noqa: F401
     from agent.report import build_report
-    from agent.report.copies import copy_cohort
+    from agent.testing.cohort_copies import copy_cohort
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="report_scale_") as tmp:

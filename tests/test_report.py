@@ -1,6 +1,6 @@
 """The cohort report on a real demo run, hand-varied copies of it (for drift), a real failed run,
 a missing and an unreadable world state: table, flags, pages, RO-Crate, the pages in Chromium;
-and 1,000 copies of the demo sample (agent.report.copies): the index at scale, in Chromium too."""
+and 1,000 copies of the demo sample (agent.testing.cohort_copies): the index at scale, in Chromium too."""
 
 from __future__ import annotations
 
@@ -367,7 +367,7 @@ def test_page_renders_in_headless_chromium(cohort, tmp_path):
 def cohort_1000(demo_run, demo_replay, tmp_path_factory) -> Path:
     """1,000 copies of the demo sample, reported (about 20 s): the report at scale."""
     from agent.report import build_report
-    from agent.report.copies import copy_cohort
+    from agent.testing.cohort_copies import copy_cohort
 
     root = tmp_path_factory.mktemp("cohort1000")
     build_report(copy_cohort(demo_run.outdir, root / "samples", 1000), [], root / "report")
