@@ -42,8 +42,8 @@ rule analyze:
         "benchmarks/analyze/{sample}.tsv"
     params:
         args=analyze_args,
-        outdir=lambda wildcards: str(SAMPLE.root).format(sample=wildcards.sample),
-        wait_for_server=wait_for_server,
+        outdir=str(SAMPLE.root),  # Snakemake fills in {sample}, as in the outputs
+        wait_for_server=WAIT_FOR_SERVER,
     threads: sample_value("cpus_per_task")
     resources:
         runtime=sample_per_attempt("runtime"),
@@ -51,7 +51,7 @@ rule analyze:
         cpus_per_task=sample_value("cpus_per_task"),
         **analyze_partition(),
     group:
-        analyze_group
+        ANALYZE_GROUP
     conda:
         "../../envs/agent.yaml"
     container: "envs/agent.sif"

@@ -128,7 +128,13 @@ def server_resources():
 
 
 def sample_value(key):
-    """A per-sample setting as an input function (sheet cell, else the config default)."""
+    """A per-sample setting as an input function (sheet cell, else the config default); the
+    value itself when every sample has the same one. Snakemake calls a function once or more
+    per job, and inspects its signature on every call: at 10,000 samples each function per job
+    costs about half a second of `snakemake -n`."""
+    values = {s[key] for s in SAMPLES.values()}
+    if len(values) == 1:
+        return values.pop()
     return lambda wildcards: SAMPLES[wildcards.sample][key]
 
 
@@ -174,6 +180,12 @@ def analyze_group(wildcards):
     return f"server_{shard}" if shard else None
 
 
+# Without shards (server.mode none or external) no job is grouped and none waits for a server:
+# analyze gets the constants (no group; ":", no wait) instead of functions called per job
+# (a group function returning None is even called again on each access).
+ANALYZE_GROUP = analyze_group if SHARD_OF else None
+
+
 def analyze_args(wildcards):
     """The `agent run` options that vary per sample, shell-quoted."""
     s = SAMPLES[wildcards.sample]
@@ -206,6 +218,9 @@ def wait_for_server(wildcards):
         f"timeout {SERVER['timeout']} bash -c 'until test -s {path}; do sleep 2; done' "
         f"|| {{ echo 'no healthy server: {path} missing after {SERVER['timeout']} s' >&2; exit 1; }}"
     )
+
+
+WAIT_FOR_SERVER = wait_for_server if SHARD_OF else ":"
 
 
 def serve_args(wildcards):
