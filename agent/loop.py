@@ -8,6 +8,7 @@ from typing import Any, TextIO
 
 import orjson
 
+from agent import signals
 from agent.context import ContextManager
 from agent.layout import SampleLayout
 from agent.policies.base import Decision, Policy, PolicyUnavailable, PromptTooLong
@@ -34,6 +35,7 @@ def run_loop(
     defaults, schemas = registry.defaults(), registry.schemas()
     digest, failures, overflows = session.digest(), 0, 0
     while world.next_step <= max_steps:
+        signals.check()  # a stop whose raise a finalizer swallowed ends the run here
         messages = context.prompt(world.render(defaults=defaults))
         t0 = time.perf_counter()
         try:

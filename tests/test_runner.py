@@ -182,3 +182,24 @@ def test_input_the_machine_cannot_read_or_that_is_no_file_ends_the_run_clearly(t
         )
         assert out.returncode == code and text in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_a_stop_signal_swallowed_by_a_finalizer_still_stops_at_the_next_step():
+    """Python runs signal handlers inside __del__ too, where the raise is printed and lost: the
+    signal is kept, and the loop's check at each step boundary raises it."""
+    import gc
+
+    from agent import signals
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs between these bytecodes, inside __del__
+                pass
+
+    with signals.interruptible():
+        Finalized()
+        gc.collect()
+        with pytest.raises(signals.Interrupted, match="stopped by SIGTERM"):
+            signals.check()
+    signals.check()  # outside the block nothing is pending

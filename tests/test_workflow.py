@@ -29,7 +29,9 @@ def shell_commands(output: str, rule: str) -> list[str]:
     found = []
     for block in blocks:
         if re.search(rf"^\s*rule {rule}:", block, re.MULTILINE):
-            found.append(block.split("Shell command:", 1)[-1])
+            command = block.split("Shell command:", 1)[-1]
+            # a temp() output's clean-up note may follow the job that frees it
+            found.append(command.split("\nWould remove temporary output", 1)[0])
     return found
 
 
