@@ -93,32 +93,52 @@ def _failed_note(table: pd.DataFrame) -> str:
     return f" ({failed} failed samples not shown)" if failed else ""
 
 
-def cells_kept_distribution(table: pd.DataFrame) -> Figure:
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.2))
-    _hist(a, _values(table, "cells_kept_fraction"), "fraction of loaded barcodes kept")
-    a.set_title("Cells kept")
-    _hist(b, _values(table, "cells_after"), "cells in the final object")
-    b.set_title("Cells after QC and doublet removal")
+def _two_histograms(
+    table: pd.DataFrame, title: str, panels: list[tuple[str, str, str, bool]], note: str = ""
+) -> Figure:
+    """Two distributions over the cohort side by side; a panel: (column, x label, title, integer)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+    for ax, (column, label, panel_title, integer) in zip(axes, panels, strict=True):
+        _hist(ax, _values(table, column), label, integer=integer)
+        ax.set_title(panel_title)
     fig.tight_layout()
     return Figure(
-        "Cells kept per sample",
-        f"Distribution over the {len(table)} samples; dashed: median{_failed_note(table)}. "
-        "Each sample's numbers: the samples table (sortable) and its page.",
+        title,
+        f"Distribution over the {len(table)} samples; dashed: median{_failed_note(table)}.{note}",
         encode(fig),
     )
 
 
+def cells_kept_distribution(table: pd.DataFrame) -> Figure:
+    return _two_histograms(
+        table,
+        "Cells kept per sample",
+        [
+            ("cells_kept_fraction", "fraction of loaded barcodes kept", "Cells kept", False),
+            (
+                "cells_after",
+                "cells in the final object",
+                "Cells after QC and doublet removal",
+                False,
+            ),
+        ],
+        " Each sample's numbers: the samples table (sortable) and its page.",
+    )
+
+
 def clusters_distribution(table: pd.DataFrame) -> Figure:
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.2))
-    _hist(a, _values(table, "clusters"), "Leiden clusters in the final object", integer=True)
-    a.set_title("Clusters per sample")
-    _hist(b, _values(table, "ari"), "adjusted Rand index against the planted types")
-    b.set_title("Agreement with the planted truth")
-    fig.tight_layout()
-    return Figure(
+    return _two_histograms(
+        table,
         "Clusters per sample",
-        f"Distribution over the {len(table)} samples; dashed: median{_failed_note(table)}.",
-        encode(fig),
+        [
+            ("clusters", "Leiden clusters in the final object", "Clusters per sample", True),
+            (
+                "ari",
+                "adjusted Rand index against the planted types",
+                "Agreement with the planted truth",
+                False,
+            ),
+        ],
     )
 
 
