@@ -24,7 +24,21 @@ class RunConfig(BaseModel):
 
     input: Path = Field(description="10x mtx folder, 10x .h5 or .h5ad of raw counts")
     outdir: Path = Field(description="the sample's output folder")
-    sample: str | None = Field(None, description="sample name (default: the input's name)")
+    sample: str | None = Field(
+        None,
+        description="sample name (default: the input's name; for a generic one such as "
+        "counts.h5ad or filtered_feature_bc_matrix, the first folder above it named otherwise)",
+    )
+    layer: str | None = Field(
+        None,
+        description="read the counts from this layer of an .h5ad ('raw': adata.raw), as "
+        "load_data's layer",
+    )
+    gene_symbols: str | None = Field(
+        None,
+        description="column of the gene annotations (var) holding gene symbols, as load_data's "
+        "gene_symbols ('var_names' keeps Ensembl IDs knowingly)",
+    )
     policy: Literal["reference", "llm", "replay"] = Field(
         "reference",
         description="who decides the next call: the reference recipe, a model, or a record",
@@ -98,7 +112,14 @@ class RunConfig(BaseModel):
 
     @property
     def sample_name(self) -> str:
-        return self.sample or self.input.stem
+        return self.sample or default_sample_name(self.input)
+
+    @property
+    def load_options(self) -> dict[str, str]:
+        """The load_data arguments this run sets (the reference policy passes them)."""
+        return {
+            k: v for k, v in {"layer": self.layer, "gene_symbols": self.gene_symbols}.items() if v
+        }
 
     # The command line: one option per field, so that the two never disagree.
 
@@ -127,6 +148,33 @@ class RunConfig(BaseModel):
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunConfig:
         return cls(**{name: getattr(args, name) for name in cls.model_fields})
+
+
+# Names that say what a file or folder holds, not whose it is: a sample is named by the first
+# folder above them.
+GENERIC_NAMES = frozenset(
+    {
+        "counts",
+        "matrix",
+        "outs",
+        "filtered_feature_bc_matrix",
+        "raw_feature_bc_matrix",
+        "sample_filtered_feature_bc_matrix",
+    }
+)
+# Cell Ranger v2 puts its matrix in one of these, in a folder named by the genome (hg19, mm10).
+GENOME_PARENTS = frozenset({"filtered_gene_bc_matrices", "raw_gene_bc_matrices"})
+
+
+def default_sample_name(path: Path) -> str:
+    """The input's name (less .h5/.h5ad), or the first folder above it not named generically."""
+    path = path.absolute()
+    for part in (path, *path.parents):
+        name = part.stem if part == path and part.suffix in (".h5", ".h5ad") else part.name
+        generic = name.lower() in GENERIC_NAMES | GENOME_PARENTS
+        if name and not generic and part.parent.name not in GENOME_PARENTS:
+            return name
+    return path.stem
 
 
 def _plain(annotation: Any) -> Any:

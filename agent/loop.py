@@ -16,6 +16,7 @@ from agent.registry import Outcome, ToolRegistry
 from agent.world_state import Entry, WorldState
 
 NO_CALL = "(no tool call)"
+LOAD = "load_data"  # the tool that reads the input: while it has not succeeded, there are no data
 NUDGE = "Your last reply had no valid tool call. Call one of the tools; call finish when the analysis is done."
 
 
@@ -30,7 +31,10 @@ def run_loop(
     max_failures: int = 6,
     log: TextIO | None = None,
 ) -> str:
-    """Run until `finish` succeeds ("finished"), the step limit, or too many failures in a row."""
+    """Run until `finish` succeeds ("finished"), the step limit, or too many failures in a row
+    ("repeated_failures"; "input_refused" when no load_data succeeded). A reply without a tool
+    call after load_data failed, with none succeeded, gives up on the input: "input_refused" at
+    once, as nudging cannot make the input readable."""
     log = log or sys.stderr  # looked up per call: a caller may have swapped stderr since import
     defaults, schemas = registry.defaults(), registry.schemas()
     digest, failures, overflows = session.digest(), 0, 0
@@ -52,6 +56,8 @@ def run_loop(
         think = time.perf_counter() - t0
         if decision.outages:
             world.meta.setdefault("outages", []).extend(decision.outages)
+        if not decision.calls and decision.finish_reason == "stop" and input_refusal(world):
+            return "input_refused"
         context.observe(decision.usage)
         context.add_decision(decision)
         outcomes = [
@@ -95,8 +101,17 @@ def run_loop(
         if any(o.ok and o.tool == "finish" for _, o in outcomes):
             return "finished"
         if failures >= max_failures:
-            return "repeated_failures"
+            return "input_refused" if input_refusal(world) else "repeated_failures"
     return "step_limit"
+
+
+def input_refusal(world: WorldState) -> str | None:
+    """Why the input was refused: the last load_data error, when load_data failed and never
+    succeeded (None otherwise)."""
+    loads = [e for e in world.entries if e.tool == LOAD]
+    if not loads or any(e.status == "ok" for e in loads):
+        return None
+    return loads[-1].error
 
 
 def _report(

@@ -35,18 +35,30 @@ def versions() -> dict[str, str]:
     return found
 
 
-# The files scanpy's 10x mtx reader opens: Cell Ranger v2 (plain, genes.tsv) or v3+ (gzipped).
-MTX_V2 = ("matrix.mtx", "genes.tsv", "barcodes.tsv")
-MTX_V3 = ("matrix.mtx.gz", "features.tsv.gz", "barcodes.tsv.gz")
+# The files of a 10x mtx folder by role, each the first of its names present, in the order their
+# checksums are combined: Cell Ranger v3+ writes them gzipped with features.tsv.gz, v2 plain with
+# genes.tsv; GEO often serves v2 gzipped, and unpacked v3 folders are plain.
+MTX_FILES = {
+    "matrix": ("matrix.mtx.gz", "matrix.mtx"),
+    "features": ("features.tsv.gz", "features.tsv", "genes.tsv.gz", "genes.tsv"),
+    "barcodes": ("barcodes.tsv.gz", "barcodes.tsv"),
+}
+
+
+def mtx_files(folder: Path) -> dict[str, Path]:
+    """A 10x folder's matrix, features and barcodes files, by role (those present)."""
+    found = {}
+    for role, names in MTX_FILES.items():
+        file = next((folder / n for n in names if (folder / n).is_file()), None)
+        if file is not None:
+            found[role] = file
+    return found
 
 
 def input_files(path: Path) -> list[Path]:
     """The files the reader uses for an input: the file itself, or a 10x folder's matrix, features
     and barcodes (those present; other files in the folder are not the input)."""
-    if not path.is_dir():
-        return [path]
-    names = MTX_V2 if (path / "genes.tsv").is_file() else MTX_V3
-    return [path / n for n in names if (path / n).is_file()]
+    return list(mtx_files(path).values()) if path.is_dir() else [path]
 
 
 def file_sha256(path: Path) -> str:

@@ -23,9 +23,8 @@ from agent.provenance import now
 from agent.registry import ToolRegistry
 from agent.world_state import WorldState
 
-# What decides an analysis, besides its code: a record is kept or resumed only under the same.
-SETTINGS = ("sample", "input_sha256", "policy", "seed", "brief")
-RESULTS = ("finished", "repeated_failures")  # ended with the analysis' own result
+# ended with the analysis' own result (a refused input is refused again by the same settings)
+RESULTS = ("finished", "repeated_failures", "input_refused")
 
 Action = Literal["new", "keep", "resume"]
 

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from agent.config import RunConfig
 from agent.context import ContextManager, TokenCounter, tokenizer_estimate
 from agent.lock import FolderBusy, FolderLock
-from agent.loop import run_loop
+from agent.loop import input_refusal, run_loop
 from agent.policies import make_policy
 from agent.policies.base import PolicyUnavailable
 from agent.prompts import BRIEF, RESUMED, SYSTEM_PROMPT
@@ -56,9 +56,9 @@ def check_input(config: RunConfig) -> None:
 
 def run_sample(config: RunConfig) -> str:
     """Run, resume or keep one sample's analysis; returns how it ended ("finished", "step_limit",
-    "repeated_failures"). The record says the same, and why. Raises FolderBusy, CannotReuse,
-    BadInput (nothing was started) and PolicyUnavailable, InfrastructureError, Interrupted
-    (the record says so; a rerun resumes)."""
+    "repeated_failures", "input_refused"). The record says the same, and why. Raises
+    FolderBusy, CannotReuse, BadInput (nothing was started) and PolicyUnavailable,
+    InfrastructureError, Interrupted (the record says so; a rerun resumes)."""
     check_input(config)
     layout = config.layout
     with FolderLock(layout.lock) as lock:
@@ -73,12 +73,14 @@ def run_sample(config: RunConfig) -> str:
             sums = input_checksums(config.input)
         except OSError as e:
             raise InfrastructureError(f"cannot read input {config.input}: {e}") from e
-        wanted = {
+        wanted = {  # what decides an analysis besides its code: kept or resumed only under the same
             "sample": config.sample_name,
             "input_sha256": checksum(config.input, sums),
             "policy": config.policy,
             "seed": config.seed,
             "brief": config.brief,
+            "layer": config.layer,
+            "gene_symbols": config.gene_symbols,
         }
         action, world = plan(layout, wanted, config.max_steps, config.fresh, config.replace_changed)
         if action == "keep":
@@ -149,9 +151,7 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
             completion_reserve=config.max_tokens,
             counter=TokenCounter(tokenizer_estimate(setup.tokenizer)),
         )
-        context.add_user(
-            BRIEF.format(sample=sample, input=config.input.name, brief=config.brief or "")
-        )
+        context.add_user(BRIEF.format(sample=sample, input=config.input.name, brief=_brief(config)))
         session = Session(layout.root, seed=config.seed, input_path=config.input)
         if world.entries:
             resumed = catch_up(world, session, registry)
@@ -182,23 +182,46 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
         world.save_record(layout)
         raise
     meta.update(status=status, ended=now(), truncations=context.truncations)
-    if status != "finished":
+    if status == "input_refused":
+        meta["error"] = f"input refused: {input_refusal(world)}"
+    elif status != "finished":
         last_error = next((e.error for e in reversed(world.entries) if e.error), None)
         meta["error"] = f"run ended without finish ({status}); last error: {last_error}"
     world.save_record(layout)
     return status
 
 
+def _brief(config: RunConfig) -> str:
+    """The sample's instructions, with the load_data arguments its run options set."""
+    options = ", ".join(f"{k}={v!r}" for k, v in config.load_options.items())
+    load = f"Load the counts with load_data({options})." if options else ""
+    return " ".join(part for part in (config.brief, load) if part)
+
+
+# Exit statuses of `agent run`: documented in its --help and in main's docstring.
+EXIT_INPUT_REFUSED = 3
+EXIT_STATUSES = (
+    "exit status: 0 the analysis ended with a complete record (finished, or unfinished after "
+    "repeated failures or at the step limit); 1 something outside the analysis broke it (server, "
+    "I/O, folder in use): a rerun resumes; 2 refused before starting (options, missing input, an "
+    f"earlier record with other settings); {EXIT_INPUT_REFUSED} the input was refused (load_data "
+    "could not read counts from it; the record says why in meta.error); 128+N stopped by signal N"
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     RunConfig.add_arguments(parser)
+    parser.epilog = EXIT_STATUSES
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit status: 0 when the run ended with a complete record, even an unfinished analysis (a
-    bad input is the sample's result, shown as failed in the report; rerunning would not change
-    it); 1 when something outside the analysis broke it (server gone, I/O error, folder busy):
-    a retry resumes it; 2 when it was refused before starting (options, input, an earlier record
-    with other settings); 128+N when signal N stopped it (the record says so; a rerun resumes).
+    """Exit status: 0 when the run ended with a complete record, even an unfinished analysis
+    (repeated failures, step limit: the report shows it as failed); 1 when something outside the
+    analysis broke it (server gone, I/O error, folder busy): a retry resumes it; 2 when it was
+    refused before starting (options, input, an earlier record with other settings); 3 when the
+    input was refused (load_data could not read counts from it and no option it names helped:
+    the record says why; a rerun with the same input and options ends the same); 128+N when
+    signal N stopped it (the record says so; a rerun resumes).
     A run that started ends with one closing line: how it ended, steps, seconds, the record."""
     t0 = time.monotonic()
     try:
@@ -236,5 +259,9 @@ def main(args: argparse.Namespace) -> int:
     except Interrupted as e:
         closing(f"{e} (exit {e.exit_code})", "; it says so and a rerun resumes")
         return e.exit_code
+    if status == "input_refused":
+        error = WorldState.load(record).meta.get("error", "")
+        closing(f"input refused (exit {EXIT_INPUT_REFUSED})", f"; {error}")
+        return EXIT_INPUT_REFUSED
     closing(status if status == "finished" else f"analysis ended without finish ({status})")
     return 0

@@ -8,6 +8,7 @@ bash scripts/setup.sh --test           # virtualenv with the package, vLLM (CPU)
 . .venv/bin/activate
 bash tests/slurm/start.sh              # single-node Slurm cluster with accounting (slurmdbd)
 bash tests/browser/install.sh          # Debian's chromium for the report test
+bash tests/realdata/install.sh         # real count matrices that Debian packages ship
 
 ruff check .
 exec python -m pytest "$@"

@@ -26,7 +26,7 @@ def test_version_is_the_package_version_at_top_level_and_per_subcommand():
 @pytest.mark.parametrize(
     "command, shown",
     [
-        ("run", ["(default: 120)", "(default: reference)", "(default: the input's name)"]),
+        ("run", ["(default: 120)", "(default: reference)", "(default: the input's name;"]),
         ("replay", ["(default: 1e-06)", "(default: beside the world state)"]),
     ],
 )
@@ -38,6 +38,15 @@ def test_help_shows_each_default_once(command, shown, capsys):
     for default in shown:
         assert text.count(default) == 1, (default, text)
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_run_help_documents_every_exit_status(capsys):
+    with pytest.raises(SystemExit):
+        cli(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for status in ("0 the analysis ended", "1 something outside", "2 refused before starting"):
+        assert status in text, text
+    assert "3 the input was refused" in text and "128+N stopped by signal N" in text
 
 
 def _stays_light(argv: list[str]) -> tuple[int, str, float]:
@@ -115,7 +124,7 @@ def test_a_failed_step_shows_its_reason(tmp_path):
     out = _agent(
         "run", "--input", str(folder), "--outdir", str(tmp_path / "out"), "--max-steps", "1"
     )
-    assert out.returncode == 0, out.stderr  # an input that cannot be read is the sample's result
+    assert out.returncode == 0, out.stderr  # the step limit came before the input was refused
     [step] = [line for line in out.stderr.splitlines() if line.startswith("[no_matrix] step 1 ")]
     assert step.startswith("[no_matrix] step 1 load_data! "), step
     assert f": {folder} is a folder without matrix.mtx" in step, step

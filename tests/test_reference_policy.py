@@ -26,20 +26,21 @@ RESULTS = {  # just the numbers the policy reads
     "qc_metrics": {"n_cells": 2000, "suggested_thresholds": {
         "min_genes": 300, "max_genes": 3000, "min_counts": 500, "max_counts": 20000, "max_pct_mt": 8.5}},
     "filter_by_qc": {"cells_after": 1800, "removed": 200},
-    "highly_variable_genes": {"n_genes_in_X": 1450},
+    "highly_variable_genes": {"n_highly_variable": 1450},
     "remove_doublets": {"cells_after": 1700, "removed": 100},
     "pca": {"n_comps": 50, "suggested_n_pcs": 9},
-    "cluster_sweep": {"best_resolution": 0.3},
+    "cluster_sweep": {"best_resolution": 0.3, "warnings": ["weak structure: best silhouette 0.03"]},
     "leiden": {"n_clusters": 8, "resolution": 0.3},
-    "annotate_clusters": {"label_sizes": {"B": 100, "NK": 50}},
+    "annotate_clusters": {"label_sizes": {"B": 100, "NK": 50}, "ambiguous": {"3": "CD4 T|CD8 T"}},
 }  # fmt: skip
 
 
 class World:
     """A stand-in with what the policy reads: entries with step, tool, params, status, result, error."""
 
-    def __init__(self) -> None:
+    def __init__(self, meta: dict | None = None) -> None:
         self.entries: list[SimpleNamespace] = []
+        self.meta = meta or {}  # the run's options (--layer, --gene-symbols) as the record has them
 
     def record(self, decision, ok: bool = True, invalid: bool = False) -> dict:
         """Record the call as the loop would: params validated (defaults filled), or as sent
@@ -83,14 +84,16 @@ def test_happy_sequence_uses_earlier_results():
     assert args["highly_variable_genes"] == {
         "flavor": "seurat_v3",
         "n_top_genes": 1450,
-        "subset": True,
+        "subset": False,
     }
     assert args["pca"] == {"n_comps": 50}
     assert args["neighbors"] == {"n_neighbors": 15, "n_pcs": 14}
     assert args["leiden"] == {"resolution": 0.3}
     plots = [a["kind"] + str(a.get("color")) for name, a in calls if name == "plot"]
     assert plots == ["qc_violinNone", "umapleiden", "umapcell_type", "dotplotNone"]
-    assert calls[-1][0] == "finish" and "8 Leiden clusters" in args["finish"]["conclusion"]
+    conclusion = args["finish"]["conclusion"]
+    assert calls[-1][0] == "finish" and "8 Leiden clusters" in conclusion
+    assert "ambiguous: cluster 3 CD4 T|CD8 T" in conclusion and "weak structure" in conclusion
     assert len(calls) == len(RECIPE)
 
 

@@ -121,7 +121,8 @@ def test_no_tool_runs_model_written_code():
             if isinstance(node, ast.Call):
                 f = node.func
                 name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
-                if name in forbidden_calls:
+                regex = isinstance(f, ast.Attribute) and getattr(f.value, "id", "") == "re"
+                if name in forbidden_calls and not regex:  # re.compile builds a regex, runs nothing
                     found.append(f"{path.name}:{node.lineno} {name}()")
             elif isinstance(node, ast.Import | ast.ImportFrom):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]

@@ -112,8 +112,8 @@ def test_table_has_a_row_per_sample_with_the_recorded_numbers(cohort, demo_run, 
 
 def test_failed_missing_and_unreadable_samples_are_rows_not_crashes(cohort):
     broken = cohort.table["broken"]
-    assert broken["status"] == "repeated_failures"
-    assert "without finish" in broken["error"] and int(broken["errors"]) > 0
+    assert broken["status"] == "input_refused"
+    assert broken["error"].startswith("input refused: ") and int(broken["errors"]) > 0
     broken_page = (cohort.outdir / "samples" / "broken.html").read_text()
     assert "first error, step 1 (load_data): could not read" in broken_page
     assert cohort.table["lost"]["status"] == "missing"

@@ -18,7 +18,7 @@ from agent.config import RunConfig
 from agent.context import TokenCounter
 from agent.layout import SampleLayout
 from agent.replay import replay
-from agent.runner import run_sample
+from agent.runner import _brief, run_sample
 from agent.tools import build_registry
 from agent.tools.session import DIGEST_VERSION
 from agent.world_state import WorldState
@@ -203,3 +203,116 @@ def test_a_stop_signal_swallowed_by_a_finalizer_still_stops_at_the_next_step():
         with pytest.raises(signals.Interrupted, match="stopped by SIGTERM"):
             signals.check()
     signals.check()  # outside the block nothing is pending
+
+
+def _hidden_counts(small_input: Path, tmp_path: Path) -> Path:
+    """The small sample as .h5ad files often come: log-normalised X, the counts in a layer,
+    Ensembl IDs as names and the symbols in a column under an unusual name."""
+    import anndata as ad
+    import scanpy as sc
+
+    adata = ad.read_h5ad(small_input)
+    adata.layers["counts"] = adata.X.copy()
+    sc.pp.normalize_total(adata)
+    sc.pp.log1p(adata)
+    adata.var["hgnc"] = adata.var_names.to_numpy()
+    adata.var_names = [f"ENSG{i:011d}" for i in range(adata.n_vars)]
+    path = tmp_path / "hidden.h5ad"
+    adata.write_h5ad(path)
+    return path
+
+
+def test_the_reference_retries_load_data_with_the_option_each_error_names(small_input, tmp_path):
+    path = _hidden_counts(small_input, tmp_path)
+    status = run_sample(RunConfig(input=path, outdir=tmp_path / "o", sample="h", max_steps=3))
+    world = WorldState.load(SampleLayout(tmp_path / "o").record)
+    loads = [(e.status, e.params["layer"], e.params["gene_symbols"]) for e in world.entries]
+    assert status == "step_limit" and loads == [
+        ("error", None, None),
+        ("error", "counts", None),
+        ("ok", "counts", "hgnc"),
+    ]
+    assert world.entries[-1].result["n_mt_genes"] == 13
+
+
+def test_run_options_layer_and_gene_symbols_reach_load_data(small_input, tmp_path):
+    path = _hidden_counts(small_input, tmp_path)
+    config = RunConfig(
+        input=path, outdir=tmp_path / "o", max_steps=1, layer="counts", gene_symbols="hgnc"
+    )
+    assert run_sample(config) == "step_limit"
+    world = WorldState.load(config.layout.record)
+    first = world.entries[0]
+    assert first.status == "ok" and (first.params["layer"], first.params["gene_symbols"]) == (
+        "counts",
+        "hgnc",
+    )
+    assert (world.meta["layer"], world.meta["gene_symbols"]) == ("counts", "hgnc")
+    assert "load_data(layer='counts', gene_symbols='hgnc')" in _brief(config)  # told to a model
+
+
+def test_a_refused_input_ends_at_once_with_its_reason_and_exit_3(tmp_path, capsys):
+    import argparse
+
+    import anndata as ad
+    import numpy as np
+
+    from agent import runner
+
+    path = tmp_path / "tiny" / "counts.h5ad"
+    path.parent.mkdir()
+    ad.AnnData(np.ones((5, 30), np.float32)).write_h5ad(path)
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    args = parser.parse_args(["--input", str(path), "--outdir", str(tmp_path / "o")])
+    for _ in range(2):  # a rerun keeps the refusal (or comes to it again) and says so
+        assert runner.main(args) == runner.EXIT_INPUT_REFUSED
+        err = capsys.readouterr().err
+        assert "[tiny] input refused (exit 3)" in err and "holds 5 cells" in err, err
+        world = WorldState.load(tmp_path / "o" / "world_state.json")
+        assert world.meta["sample"] == "tiny" and world.meta["status"] == "input_refused"
+        assert world.meta["error"].startswith(f"input refused: {path} holds 5 cells")
+        assert [e.tool for e in world.entries] == ["load_data"]  # no "(no tool call)" nudges
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [
+        ("data/pbmc2/counts.h5ad", "pbmc2"),
+        ("runs/pbmc1/outs/filtered_feature_bc_matrix", "pbmc1"),
+        ("runs/pbmc1/outs/raw_feature_bc_matrix.h5", "pbmc1"),
+        ("s3/filtered_gene_bc_matrices/hg19", "s3"),
+        ("data/liver.v2.h5ad", "liver.v2"),
+    ],
+)
+def test_the_default_sample_name_skips_generic_names(path, name):
+    assert RunConfig(input=path, outdir="o").sample_name == name
+
+
+@pytest.mark.parametrize("gives_up", [True, False])
+def test_a_model_that_cannot_load_the_input_ends_with_input_refused(tmp_path, gives_up):
+    """A reply without a call after load_data failed gives up at once (no nudge); failing
+    load_data until the failure limit is a refused input too, not repeated_failures."""
+    import io
+
+    from agent.context import ContextManager
+    from agent.loop import run_loop
+    from agent.policies.base import Decision, ToolCall
+    from agent.tools.session import Session
+
+    calls = [
+        Decision([ToolCall(f"c{i}", "load_data", f'{{"path": "gone{i}.h5ad"}}')])
+        for i in range(1 if gives_up else 6)
+    ]
+    replies = iter([*calls, Decision(text="The input cannot be read.", finish_reason="stop")])
+    policy = type("Scripted", (), {"decide": lambda self, m, t, w: next(replies)})()
+    registry = build_registry()
+    context = ContextManager("instructions", registry.schemas(), context_limit=100_000)
+    world = WorldState(meta={"sample": "s"})
+    session = Session(tmp_path, input_path=None)
+    status = run_loop(
+        policy, registry, session, world, context, SampleLayout(tmp_path), log=io.StringIO()
+    )
+    assert status == "input_refused"
+    assert [e.tool for e in world.entries] == ["load_data"] * len(calls)
+    assert "gone" in world.entries[-1].error and "does not exist" in world.entries[-1].error

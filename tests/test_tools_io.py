@@ -21,6 +21,7 @@ import scanpy as sc
 import scipy.io as spio
 from scipy import sparse
 
+from agent.provenance import checksum, input_files
 from agent.tools.input_size import available_memory
 from agent.tools.session import Session
 from tests.fixtures_data import call_tool as call
@@ -76,7 +77,8 @@ def test_float_counts_pass_and_a_counts_layer_is_pointed_to(tmp_path):
     sc.pp.log1p(normed)
     path = _write(tmp_path, normed, "normed.h5ad")
     out = call(Session(tmp_path / "b", input_path=path), "load_data")
-    assert not out.ok and "['counts']" in out.error and "layer=" in out.error
+    assert not out.ok and "['counts']: call load_data(layer='counts')" in out.error
+    assert "run option --layer counts" in out.error
     session = Session(tmp_path / "c", input_path=path)
     out = call(session, "load_data", layer="counts")
     assert out.ok and session.adata.X.sum() == counts.sum()
@@ -86,17 +88,35 @@ def test_float_counts_pass_and_a_counts_layer_is_pointed_to(tmp_path):
     ("matrix", "message"),
     [
         (np.zeros((0, 5), np.float32), "empty (0 cells x 5 genes)"),
-        (np.zeros((4, 5), np.float32), "no counts"),
-        (-np.ones((4, 5), np.float32), "not raw counts"),
-        (np.full((4, 5), 1.5, np.float32), "not raw counts: it holds 1.5"),
-        (np.where(np.eye(4, 5), np.nan, 1).astype(np.float32), "holds 4 NaN (not a number)"),
-        (np.where(np.eye(4, 5), np.inf, 1).astype(np.float32), "holds 4 infinite values"),
+        (np.ones((29, 5), np.float32), "holds 29 cells; an analysis needs at least 30"),
+        (np.zeros((30, 5), np.float32), "no counts"),
+        (-np.ones((30, 5), np.float32), "not raw counts"),
+        (np.full((30, 5), 1.5, np.float32), "not raw counts: it holds 1.5"),
+        (np.full((30, 5), 1 + 1e-5, np.float32), "not raw counts: it holds 1"),  # past tolerance
+        (np.where(np.eye(30, 5), np.nan, 1).astype(np.float32), "holds 5 NaN (not a number)"),
+        (np.where(np.eye(30, 5), np.inf, 1).astype(np.float32), "holds 5 infinite values"),
     ],
 )
 def test_bad_matrices_get_a_clear_error(tmp_path, matrix, message):
     adata = ad.AnnData(matrix, var=pd.DataFrame(index=[f"G{i}" for i in range(5)]))
     out = call(Session(tmp_path / "o", input_path=_write(tmp_path, adata)), "load_data")
-    assert not out.ok and message in out.error
+    assert not out.ok and message in out.error, out.error
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_counts_a_rounding_error_off_integers_are_rounded_and_said(tmp_path, kind):
+    counts = np.random.default_rng(0).poisson(2, (30, 6)).astype(np.float64)
+    counts[0, 0] = 0
+    noisy = counts + np.where(counts > 0, 1e-12, 0) - np.where(counts > 2, 3e-7 * counts, 0)
+    noisy[0, 0] = 4e-7  # a zero a rounding error off: no count
+    x = sparse.csr_matrix(noisy) if kind == "sparse" else noisy
+    session = Session(tmp_path / "o", input_path=_write(tmp_path, ad.AnnData(x)))
+    out = call(session, "load_data")
+    assert out.ok, out.error
+    changed = int(np.count_nonzero(noisy != counts))
+    assert out.result["counts_rounded"] == changed > 0
+    assert any(f"{changed:,} counts stored as floats" in w for w in out.result["warnings"])
+    assert np.array_equal(session.adata.X.toarray(), counts)
 
 
 def test_ensembl_ids_switch_to_the_symbol_column(tmp_path):
@@ -112,6 +132,31 @@ def test_ensembl_ids_switch_to_the_symbol_column(tmp_path):
     assert list(session.adata.var_names) == names and out.result["n_mt_genes"] == 1
     out = call(session, "load_data", gene_symbols="no_such_column")
     assert not out.ok and "no_such_column" in out.error
+
+
+@pytest.mark.parametrize("column", ["Symbol", "gene_short_name", "feature_name"])
+def test_a_symbol_column_under_a_usual_name_in_any_case_is_used(tmp_path, column):
+    ids = [f"ENSG0000000000{i}" for i in range(4)]
+    symbols = ["MT-CO1", "CD3D", None, "RPL3"]  # a gene without a symbol keeps its ID
+    path = _write(tmp_path, _counts(genes=ids, **{column: symbols}))
+    session = Session(tmp_path / "o", input_path=path)
+    out = call(session, "load_data")
+    assert out.ok and out.result["gene_symbols_from"] == column, out.error
+    assert list(session.adata.var_names) == ["MT-CO1", "CD3D", ids[2], "RPL3"]
+    assert list(session.adata.var["gene_ids"]) == ids and out.result["n_mt_genes"] == 1
+    assert "1 genes without a symbol in" in out.result["warnings"][0]
+
+
+def test_a_symbol_column_under_another_name_is_named_as_the_fix(tmp_path):
+    ids = [f"ENSG0000000000{i}" for i in range(4)]
+    var = {"biotype": ["protein_coding"] * 4, "hgnc": ["MT-CO1", "CD3D", "LYZ", "RPL3"]}
+    path = _write(tmp_path, _counts(genes=ids, **var))
+    out = call(Session(tmp_path / "o", input_path=path), "load_data")
+    assert not out.ok and "call load_data(gene_symbols='hgnc')" in out.error
+    assert "run option --gene-symbols hgnc, sample-sheet column gene_symbols" in out.error
+    session = Session(tmp_path / "p", input_path=path)
+    out = call(session, "load_data", gene_symbols="hgnc")
+    assert out.ok and session.adata.var_names[0] == "MT-CO1"
 
 
 def _counts(n_cells=50, genes=("MT-CO1", "CD3D", "LYZ", "RPL3"), **var_columns):
@@ -183,6 +228,55 @@ def test_mtx_features_without_symbols_are_explained(tmp_path):
         (folder / name).write_bytes(gzip.compress(data))
     out = call(Session(tmp_path / "o", input_path=folder), "load_data")
     assert not out.ok and f"could not read {folder}: features.tsv.gz has one column" in out.error
+
+
+def _mtx_folder(folder, features_name, gz, symbols):
+    """A 10x folder of 30 cells: Cell Ranger v2 (genes.tsv) or v3 (features.tsv), gzipped or not."""
+    folder.mkdir()
+    counts = sparse.random(len(symbols), 30, density=0.5, format="coo", random_state=0)
+    counts.data = np.ceil(counts.data * 5)
+    buffer = io.BytesIO()
+    spio.mmwrite(buffer, counts, field="integer")
+    kind = "\tGene Expression" if features_name == "features.tsv" else ""
+    files = {
+        "matrix.mtx": buffer.getvalue(),
+        features_name: "".join(f"ENSG{i:05d}\t{g}{kind}\n" for i, g in enumerate(symbols)).encode(),
+        "barcodes.tsv": "".join(f"C{i}-1\n" for i in range(30)).encode(),
+    }
+    for name, data in files.items():
+        if gz:
+            (folder / f"{name}.gz").write_bytes(gzip.compress(data))
+        else:
+            (folder / name).write_bytes(data)
+    return counts.T.toarray()
+
+
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize("features_name", ["genes.tsv", "features.tsv"])
+def test_10x_folders_v2_and_v3_gzipped_or_not_are_read_and_checksummed(tmp_path, features_name, gz):
+    folder = tmp_path / "mtx"
+    counts = _mtx_folder(folder, features_name, gz, ["MT-CO1", "CD3D", "CD3D", "LYZ", "LYZ"])
+    session = Session(tmp_path / "o", input_path=folder)
+    out = call(session, "load_data")
+    assert out.ok, out.error
+    assert out.result["format"] == "10x_mtx" and out.result["duplicate_gene_names_made_unique"] == 2
+    assert list(session.adata.var_names) == ["MT-CO1", "CD3D", "CD3D-1", "LYZ", "LYZ-1"]
+    assert np.array_equal(session.adata.X.toarray(), counts)
+    suffix = ".gz" if gz else ""
+    used = [f"matrix.mtx{suffix}", f"{features_name}{suffix}", f"barcodes.tsv{suffix}"]
+    assert [f.name for f in input_files(folder)] == used
+    before = checksum(folder)
+    (folder / used[1]).write_bytes(b"changed")  # the features file is part of the input
+    assert checksum(folder) != before
+
+
+def test_a_10x_folder_missing_a_file_names_it(tmp_path):
+    folder = tmp_path / "mtx"
+    _mtx_folder(folder, "genes.tsv", False, ["A", "B"])
+    (folder / "genes.tsv").unlink()
+    out = call(Session(tmp_path / "o", input_path=folder), "load_data")
+    assert not out.ok and f"{folder} is a folder without features.tsv.gz" in out.error
+    assert "genes.tsv" in out.error
 
 
 def test_missing_unknown_and_outside_paths(tmp_path, small_input):

@@ -108,14 +108,17 @@ def test_digest_survives_an_h5ad_round_trip(session_at, stage, tmp_path):
     assert digest_adata(ad.read_h5ad(path)) == session.digest()
 
 
-def test_digest_sees_graphs_and_raw(session_at):
+def test_digest_sees_graphs_layers_and_raw(session_at):
     session = session_at("pca")
     before = session.digest()
     session.adata.obsp["connectivities"] = session_at("neighbors").adata.obsp["connectivities"]
     assert session.digest() != before
     after_graph = session.digest()
-    session.adata.raw.X.data[0] += 1
+    session.adata.layers["counts"].data[0] += 1
     assert session.digest() != after_graph
+    after_layer = session.digest()
+    session.adata.raw = session.adata  # the recipe sets no .raw; a model's tools may
+    assert session.digest() != after_layer
 
 
 @pytest.fixture

@@ -251,7 +251,9 @@ def test_unreadable_input_is_a_recorded_result(workflow_dir: WorkflowDir, inputs
     assert state["meta"]["status"] != "finished"
     assert state["entries"][0]["tool"] == "load_data" and state["entries"][0]["status"] == "error"
     assert not (folder / "adata.h5ad").exists()
-    assert "analysis ended without finish" in (workflow_dir.path / "logs/analyze/a.log").read_text()
+    assert state["meta"]["status"] == "input_refused"
+    assert state["meta"]["error"].startswith("input refused: ")
+    assert "input refused (exit 3)" in (workflow_dir.path / "logs/analyze/a.log").read_text()
 
 
 @pytest.mark.slow

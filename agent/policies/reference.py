@@ -11,6 +11,8 @@ twice, and it always ends.
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +50,11 @@ def _const(args: Args) -> ArgsFn:
 
 
 def _min_genes(facts: Facts) -> Args:
-    # 200 genes is the usual empty-droplet cut; shallow data get a lower one
+    # 200 genes is the usual empty-droplet cut; shallow data get a quarter of their median, not a
+    # fixed floor (50 removed a third of a shallow sample: its platelets and B cells). Under 10
+    # genes a barcode holds no usable profile at any depth.
     median = facts("load_data").get("median_genes_per_cell", 1000)
-    return {"min_genes": int(min(200, max(50, median // 4)))}
+    return {"min_genes": int(min(200, max(10, median // 4)))}
 
 
 def _qc_thresholds(facts: Facts) -> Args | None:
@@ -60,11 +64,21 @@ def _qc_thresholds(facts: Facts) -> Args | None:
     return {k: suggested[k] for k in ("min_genes", "max_genes", "max_pct_mt")}
 
 
-def _doublet_rate(facts: Facts) -> Args:
+def _doublet_rate(facts: Facts) -> Args | None:
     # 10x: ~0.8% doublets per 1,000 cells recovered; below 7,500 cells Scrublet's customary 6%,
-    # as its automatic threshold lands too high with a low expected rate
+    # as its automatic threshold lands too high with a low expected rate. Under 100 cells
+    # (detect_doublets' MIN_CELLS) doublets cannot be called: the step does not apply.
     cells = facts("filter_by_qc").get("cells_after") or facts("qc_metrics").get("n_cells", 5000)
+    if cells < 100:
+        return None
     return {"expected_doublet_rate": round(min(0.15, max(0.06, 0.008 * cells / 1000)), 3)}
+
+
+def _doublet_threshold(facts: Facts) -> Args | None:
+    # The one failure a threshold fixes is Scrublet finding none automatically; too few cells or
+    # PCs are handled above and in the tool, so this is not sent where calling cannot work.
+    rate = _doublet_rate(facts)
+    return None if rate is None else {**rate, "threshold": 0.25}
 
 
 def _hvg(flavor: str) -> ArgsFn:
@@ -73,7 +87,7 @@ def _hvg(flavor: str) -> ArgsFn:
         return {
             "flavor": flavor,
             "n_top_genes": int(min(2000, max(50, genes // 2))),
-            "subset": True,
+            "subset": False,  # the saved object keeps all genes; pca uses the flagged ones
         }
 
     return args
@@ -83,7 +97,7 @@ def _pca(facts: Facts) -> Args:
     cells = facts("remove_doublets").get("cells_after") or facts("filter_by_qc").get(
         "cells_after", 1000
     )
-    genes = facts("highly_variable_genes").get("n_genes_in_X", 2000)
+    genes = facts("highly_variable_genes").get("n_highly_variable", 2000)
     return {"n_comps": int(min(50, cells - 1, genes - 1))}
 
 
@@ -114,6 +128,10 @@ def _conclusion(facts: Facts) -> Args:
     labels = facts("annotate_clusters").get("label_sizes")
     if labels:
         parts.append("labels: " + ", ".join(f"{k} ({v})" for k, v in labels.items()))
+    ambiguous = facts("annotate_clusters").get("ambiguous")
+    if ambiguous:
+        parts.append("ambiguous: " + ", ".join(f"cluster {k} {v}" for k, v in ambiguous.items()))
+    parts += facts("cluster_sweep").get("warnings") or []  # weak structure, said where it is
     return {"conclusion": "Reference scanpy recipe. " + "; ".join(parts) + "."}
 
 
@@ -122,9 +140,10 @@ RECIPE: tuple[Step, ...] = (
     Step("filter_cells", _min_genes),
     Step("filter_genes", _const({"min_cells": 3})),
     Step("qc_metrics", _const({})),
-    Step("filter_by_qc", _qc_thresholds, fallbacks=(_const({"max_pct_mt": 20.0}),)),
+    # the violin before filtering, with the suggested thresholds: it shows the cells they remove
     Step("plot", _const({"kind": "qc_violin"}), kind="qc_violin"),
-    Step("detect_doublets", _doublet_rate, fallbacks=(_const({"threshold": 0.25}),)),
+    Step("filter_by_qc", _qc_thresholds, fallbacks=(_const({"max_pct_mt": 20.0}),)),
+    Step("detect_doublets", _doublet_rate, fallbacks=(_doublet_threshold,)),
     Step("remove_doublets", _const({})),
     Step("normalize", _const({}), required=True),
     Step("highly_variable_genes", _hvg("seurat_v3"), fallbacks=(_hvg("seurat"),)),
@@ -161,6 +180,28 @@ def _params(entry: Any) -> Args:
 def _same(args: Args, params: Args, defaults: Args) -> bool:
     """Whether a call with ``args`` was already made; recorded params may have defaults filled in."""
     return {**defaults, **args} == {**defaults, **params}
+
+
+# load_data names the one change of arguments that fixes a refusal as load_data(NAME='VALUE')
+LOAD_FIX = re.compile(r"load_data\((\w+)=('[^']*'|\"[^\"]*\")\)")
+RUN_OPTIONS = ("layer", "gene_symbols")  # the run's --layer, --gene-symbols, in the record's meta
+
+
+def _load_args(
+    base: Args, meta: dict[str, Any], attempts: list[Any], defaults: Args
+) -> Args | None:
+    """load_data's next arguments: ``base`` with the run's options; after a failure, the last
+    arguments with the change its error names, unless tried already or overriding a run option.
+    None: nothing can fix the input."""
+    options = {k: meta[k] for k in RUN_OPTIONS if meta.get(k)}
+    if not attempts:
+        return {**base, **options}
+    fix = LOAD_FIX.search(attempts[-1].error or "")
+    if fix is None or fix[1] in options:
+        return None
+    last = {k: v for k, v in _params(attempts[-1]).items() if v is not None}
+    args = {**last, fix[1]: ast.literal_eval(fix[2])}
+    return None if any(_same(args, _params(e), defaults) for e in attempts) else args
 
 
 class ReferencePolicy:
@@ -206,6 +247,16 @@ class ReferencePolicy:
             needs = self.registry.spec(step.tool).needs_for(step.args(facts) or {})
             if not {*needs, *step.after} <= ok_tools:
                 continue
+            if step.tool == "load_data":  # the run's options, then the fix an error names
+                args = _load_args(
+                    step.args(facts), world.meta, attempts, defaults.get(step.tool, {})
+                )
+                if args is None:  # the input is refused: no call ends the run at once
+                    return Decision(
+                        text=f"input refused: {attempts[-1].error}", finish_reason="stop"
+                    )
+                retry = f"retrying load_data after: {attempts[-1].error}" if attempts else None
+                return call(step, args, retry)
             tried = [_params(e) for e in attempts]
             for variant in (step.args, *step.fallbacks):  # the first not tried yet
                 args = variant(facts)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import anndata as ad
 import numpy as np
 import scanpy as sc
 from pydantic import Field
 
 from agent.registry import ToolError, tool
 from agent.tools.common import scanpy_params
+from agent.tools.preprocess import scale_settings, scaled_copy
 from agent.tools.session import Session
 
 
@@ -43,35 +45,62 @@ def elbow(variance_ratio: np.ndarray) -> int:
     return int(np.argmax(chord - y)) + 1
 
 
+def _pca_of_scaled_copy(adata: Any, genes: np.ndarray, n_comps: int, seed: int) -> int:
+    """PCA of a scaled copy of X's ``genes``, stored in adata as sc.pp.pca with mask_var does
+    (obsm X_pca, varm PCs zero outside the genes, uns pca); returns the values clipped."""
+    x, clipped = scaled_copy("pca", adata, genes)
+    sub = ad.AnnData(x)
+    sc.pp.pca(sub, n_comps=n_comps, svd_solver="arpack", random_state=seed)
+    adata.obsm["X_pca"] = sub.obsm["X_pca"]
+    loadings = np.zeros((adata.n_vars, n_comps), dtype=sub.varm["PCs"].dtype)
+    loadings[genes] = sub.varm["PCs"]
+    adata.varm["PCs"] = loadings
+    adata.uns["pca"] = sub.uns["pca"]
+    return clipped
+
+
 @tool("embed", needs=("normalize",), expensive=True)
 def pca(
     session: Session,
     n_comps: Annotated[int, Field(ge=2, le=200)] = 50,
     use_highly_variable: bool = True,
 ) -> dict[str, Any]:
-    """Principal component analysis of the normalised (and usually scaled) data.
+    """Principal component analysis of the log-normalised data, scaled as scale set it.
 
-    Returns the variance ratio of each component and a suggested number of components for
-    neighbors (the elbow of the variance-ratio curve).
+    After scale, the genes used are scaled in a copy; X keeps its log-normalised values. Returns
+    the variance ratio of each component and a suggested number of components for neighbors (the
+    elbow of the variance-ratio curve).
 
     Args:
         n_comps: Number of components to compute.
         use_highly_variable: Use only highly variable genes when they are marked and X holds more.
     """
     adata = session.adata
-    limit = min(adata.n_obs, adata.n_vars) - 1
+    mask = "highly_variable" if use_highly_variable and "highly_variable" in adata.var else None
+    genes = adata.var[mask].to_numpy(dtype=bool) if mask else np.ones(adata.n_vars, dtype=bool)
+    limit = min(adata.n_obs, int(genes.sum())) - 1
     if n_comps > limit:
         raise ToolError(
-            f"n_comps={n_comps} is too many for {adata.n_obs} cells x {adata.n_vars} genes (at most {limit})"
+            f"n_comps={n_comps} is too many for {adata.n_obs} cells x {int(genes.sum())} genes "
+            f"(at most {limit})"
         )
-    mask = "highly_variable" if use_highly_variable and "highly_variable" in adata.var else None
-    sc.pp.pca(adata, n_comps=n_comps, mask_var=mask, svd_solver="arpack", random_state=session.seed)
+    clipped, scaling = None, scale_settings(adata)
+    if scaling is not None:
+        clipped = _pca_of_scaled_copy(adata, genes, n_comps, session.seed)
+    else:
+        sc.pp.pca(
+            adata, n_comps=n_comps, mask_var=mask, svd_solver="arpack", random_state=session.seed
+        )
+    # as sc.pp.pca records it with mask_var, also where the masked genes were scaled in a copy
+    adata.uns["pca"]["params"].update(mask_var=mask, use_highly_variable=mask is not None)
     ratio = adata.uns["pca"]["variance_ratio"]
     cumulative = np.cumsum(ratio)
     suggested = elbow(ratio) if n_comps >= 5 else n_comps
     return {
         "n_comps": n_comps,
-        "genes_used": int(adata.var[mask].sum()) if mask else adata.n_vars,
+        "genes_used": int(genes.sum()),
+        "scaled": scaling,
+        "values_clipped": clipped,
         "variance_ratio": [round(float(v), 5) for v in ratio],
         "cumulative_variance": {
             str(k): round(float(cumulative[k - 1]), 4) for k in (5, 10, 20, 30, 50) if k <= n_comps

@@ -22,8 +22,8 @@ def rank_genes_groups(
 ) -> dict[str, Any]:
     """Rank marker genes of each group (cluster) against the rest and list the top ones.
 
-    Uses the log-normalised values of all genes (.raw) when present. Each marker comes with its
-    log2 fold change and Benjamini-Hochberg adjusted p-value.
+    Uses the log-normalised values of all genes: X, or .raw where highly_variable_genes subset X.
+    Each marker comes with its log2 fold change and Benjamini-Hochberg adjusted p-value.
 
     Args:
         groupby: Cell annotation (obs column) with the groups, usually the Leiden clusters.

@@ -16,15 +16,50 @@ from agent.tools.common import Key
 from agent.tools.session import Session
 
 QC_KEYS = ("n_genes_by_counts", "total_counts", "pct_counts_mt")
+QC_THRESHOLDS = {  # panel -> the thresholds drawn on it
+    "n_genes_by_counts": ("min_genes", "max_genes"),
+    "total_counts": ("min_counts", "max_counts"),
+    "pct_counts_mt": ("max_pct_mt",),
+}
 GENES_PER_SET = 4
+
+
+def qc_lines(adata: Any) -> tuple[str, dict[str, dict[str, float]]]:
+    """The QC thresholds to draw, per panel: those applied by filter_by_qc, else those
+    qc_metrics suggested (uns['qc_thresholds'])."""
+    stored = adata.uns.get("qc_thresholds", {})
+    source = "applied" if "applied" in stored else "suggested"
+    thresholds = stored.get(source, {})
+    lines = {
+        key: {name: float(thresholds[name]) for name in names if name in thresholds}
+        for key, names in QC_THRESHOLDS.items()
+    }
+    return source, lines
+
+
+def qc_violin(adata: Any, seed: int) -> Any:
+    """Genes, counts and percent mitochondrial per cell, one panel each, with the thresholds."""
+    source, lines = qc_lines(adata)
+    fig, axes = plt.subplots(1, len(QC_KEYS), figsize=(4 * len(QC_KEYS), 4))
+    np.random.seed(seed)  # the violin's point jitter draws from numpy's global RNG
+    for ax, key in zip(axes, QC_KEYS, strict=True):
+        sc.pl.violin(adata, key, jitter=0.4, ax=ax, show=False)
+        ax.set_ylabel("")
+        values = adata.obs[key].to_numpy()
+        for name, value in lines[key].items():
+            outside = (values < value) if name.startswith("min") else (values > value)
+            label = f"{name} {value:g} ({outside.sum()} cells outside)"
+            ax.axhline(value, color="crimson", linestyle="--", linewidth=1, label=label)
+        if lines[key]:
+            ax.legend(loc="upper right", fontsize="small", title=source, title_fontsize="small")
+    fig.suptitle(f"{adata.n_obs} cells")
+    return fig
 
 
 def _figure(session: Session, kind: str, color: str | None, groupby: str) -> Any:
     adata = session.adata
     if kind == "qc_violin":
-        np.random.seed(session.seed)  # the violin's point jitter draws from numpy's global RNG
-        sc.pl.violin(adata, list(QC_KEYS), jitter=0.4, multi_panel=True, show=False)
-        return plt.gcf()
+        return qc_violin(adata, session.seed)
     if kind == "pca_variance":
         sc.pl.pca_variance_ratio(
             adata, n_pcs=min(50, adata.obsm["X_pca"].shape[1]), log=True, show=False
@@ -79,7 +114,9 @@ def plot(
 ) -> dict[str, Any]:
     """Draw a figure to a PNG file in the sample's plots/ folder.
 
-    Kinds: 'qc_violin' (genes, counts, percent mitochondrial per cell; after qc_metrics),
+    Kinds: 'qc_violin' (genes, counts, percent mitochondrial per cell, with the QC thresholds
+    as dashed lines: those filter_by_qc applied, else those qc_metrics suggested; draw it after
+    qc_metrics and before filter_by_qc to see the cells the thresholds remove),
     'umap' (coloured by a cell annotation or gene; after umap), 'dotplot' (marker genes per
     group; after annotate_clusters or rank_genes_groups), 'pca_variance' (after pca).
 
@@ -103,8 +140,13 @@ def plot(
         fig.savefig(target, dpi=100, bbox_inches="tight")
     finally:
         plt.close("all")
-    return {
+    result = {
         "kind": kind,
         "path": str(target.relative_to(session.outdir)),
         "bytes": target.stat().st_size,
     }
+    if kind == "qc_violin":
+        source, lines = qc_lines(session.adata)
+        drawn = {name: value for panel in lines.values() for name, value in panel.items()}
+        result["thresholds_drawn"] = {"from": source, **drawn} if drawn else {}
+    return result

@@ -1,4 +1,9 @@
-"""From counts to a scaled, feature-selected matrix: normalise, select genes, regress, scale."""
+"""From counts to log-normalised values: normalise, flag variable genes, regress, set scaling.
+
+X keeps the log-normalised values of every gene that passed filtering (what markers, annotation,
+plots and whoever reuses the saved object read); the raw counts stay in the layer 'counts'. The
+scaled matrix is made only inside pca, from the highly variable genes (see scale).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from agent.registry import ToolError, tool
 from agent.tools.common import Limit, per_row
 from agent.tools.session import Session
 
-DENSE_LIMIT_BYTES = 4 * 2**30  # scale and regress_out make X dense; refuse beyond this
+DENSE_LIMIT_BYTES = 4 * 2**30  # regress_out and pca's scaled copy are dense; refuse beyond this
+SCALE_KEY = "scale"  # adata.uns: how pca scales the genes it uses, as scale set it
 
 
 @tool("preprocess")
@@ -24,8 +30,7 @@ def normalize(
 ) -> dict[str, Any]:
     """Normalise each cell to the same total count and log1p-transform.
 
-    The raw counts stay in the layer 'counts'; the log-normalised values of all genes are also
-    kept in .raw, which marker ranking and annotation use after gene selection and scaling.
+    The raw counts stay in the layer 'counts'; X holds the log-normalised values of all genes.
 
     Args:
         target_sum: Counts per cell after normalisation; leave out for the median total count.
@@ -42,13 +47,12 @@ def normalize(
     adata.layers["counts"] = adata.X.copy()
     sc.pp.normalize_total(adata, target_sum=target)
     sc.pp.log1p(adata)
-    adata.raw = adata
     return {
         "target_sum": target,
         "target_sum_from": "median total counts" if target_sum is None else "given",
         "log1p": True,
         "counts_layer": "counts",
-        "raw": f"log-normalised, {adata.n_vars} genes",
+        "X": f"log-normalised, {adata.n_vars} genes",
     }
 
 
@@ -57,23 +61,27 @@ def highly_variable_genes(
     session: Session,
     flavor: Literal["seurat_v3", "seurat", "cell_ranger"] = "seurat_v3",
     n_top_genes: Annotated[int, Field(ge=10)] | None = 2000,
-    subset: bool = True,
+    subset: bool = False,
     limit: Limit = 20,
 ) -> dict[str, Any]:
-    """Select highly variable genes for PCA.
+    """Flag highly variable genes (var['highly_variable']), which pca then uses.
 
     flavor 'seurat_v3' ranks genes by variance of the raw counts (the 'counts' layer); 'seurat'
-    and 'cell_ranger' use dispersion of the log-normalised data. Needs normalize first.
+    and 'cell_ranger' use dispersion of the log-normalised data. Needs normalize first. All
+    genes stay in X unless subset is true.
 
     Args:
         flavor: Method of scanpy's highly_variable_genes.
         n_top_genes: Number of genes to select (required for seurat_v3; for the other flavours,
             leave out to use scanpy's mean/dispersion cutoffs).
-        subset: Keep only the selected genes in X (all genes stay log-normalised in .raw).
+        subset: Keep only the selected genes in X and layers (all genes stay log-normalised
+            in .raw, which markers and annotation then read); leave false to keep all genes.
         limit: How many of the top genes to list in the result.
     """
     if "scale" in session.done:
-        raise ToolError("highly_variable_genes must come before scale: the data are already scaled")
+        raise ToolError(
+            "highly_variable_genes must come before scale, which set how pca scales the flagged genes"
+        )
     adata = session.adata
     already = adata.var["highly_variable"].all() if "highly_variable" in adata.var else False
     if "highly_variable_genes" in session.done and already:
@@ -101,6 +109,7 @@ def highly_variable_genes(
         raise ToolError("no gene passed the highly-variable cutoffs; give n_top_genes")
     top = adata.var.loc[hvg, rank_by].sort_values(ascending=False)
     if subset:
+        adata.raw = adata
         session.adata = adata[:, hvg].copy()
     return {
         "flavor": flavor,
@@ -114,11 +123,11 @@ def highly_variable_genes(
     }
 
 
-def _check_dense_size(tool: str, adata: Any) -> None:
-    size = adata.n_obs * adata.n_vars * 4
+def _check_dense_size(tool: str, n_cells: int, n_genes: int) -> None:
+    size = n_cells * n_genes * 4
     if size > DENSE_LIMIT_BYTES:
         raise ToolError(
-            f"{tool} would make a dense {adata.n_obs} x {adata.n_vars} matrix ({size / 2**30:.1f} GiB); "
+            f"{tool} would make a dense {n_cells} x {n_genes} matrix ({size / 2**30:.1f} GiB); "
             "call highly_variable_genes with subset=true first"
         )
 
@@ -133,13 +142,11 @@ def regress_out(
 ) -> dict[str, Any]:
     """Regress cell-level covariates (e.g. total counts, percent mitochondrial) out of each gene.
 
-    Optional; needs normalize first and comes before scale.
+    Optional; needs normalize first. Changes X: the saved object then holds the residuals.
 
     Args:
         keys: Numeric cell annotations (obs columns) to regress out.
     """
-    if "scale" in session.done:
-        raise ToolError("regress_out must come before scale: the data are already scaled")
     adata = session.adata
     for key in keys:
         if key not in adata.obs.columns:
@@ -148,9 +155,45 @@ def regress_out(
             )
         if not np.issubdtype(adata.obs[key].dtype, np.number):
             raise ToolError(f"regress_out: {key!r} is not numeric (dtype {adata.obs[key].dtype})")
-    _check_dense_size("regress_out", adata)
+    _check_dense_size("regress_out", adata.n_obs, adata.n_vars)
     sc.pp.regress_out(adata, keys, n_jobs=1)  # one job: results must not depend on the scheduler
     return {"keys": list(keys), "n_genes": adata.n_vars, "n_cells": adata.n_obs}
+
+
+def scaled_genes(adata: Any) -> np.ndarray:
+    """The genes pca uses and scale scales: the highly variable ones where flagged, else all."""
+    if "highly_variable" in adata.var:
+        return adata.var["highly_variable"].to_numpy(dtype=bool)
+    return np.ones(adata.n_vars, dtype=bool)
+
+
+def scale_settings(adata: Any) -> dict[str, Any] | None:
+    """How scale told pca to scale (plain values, also after a checkpoint), or None if not set."""
+    settings = adata.uns.get(SCALE_KEY)
+    if settings is None:
+        return None
+    max_value = settings.get("max_value")
+    return {
+        "max_value": None if max_value is None else float(max_value),
+        "zero_center": bool(settings["zero_center"]),
+    }
+
+
+def scaled_copy(tool: str, adata: Any, genes: np.ndarray) -> tuple[Any, int]:
+    """A scaled copy of X's ``genes`` as scale set it (adata.uns['scale']), and the values clipped.
+
+    X itself is not changed: it keeps the log-normalised values of all genes.
+    """
+    settings = scale_settings(adata)
+    max_value, zero_center = settings["max_value"], settings["zero_center"]
+    x = adata.X[:, genes]
+    if zero_center:
+        _check_dense_size(tool, adata.n_obs, int(genes.sum()))
+        x = x.toarray() if sparse.issparse(x) else np.array(x)  # centring makes it dense
+    x = sc.pp.scale(x, max_value=max_value, zero_center=zero_center, copy=True)
+    values = x.data if sparse.issparse(x) else x
+    clipped = int(np.sum(np.abs(values) >= max_value)) if max_value is not None else 0
+    return x, clipped
 
 
 @tool("preprocess", needs=("normalize",))
@@ -159,27 +202,27 @@ def scale(
     max_value: Annotated[float, Field(gt=0)] | None = 10.0,
     zero_center: bool = True,
 ) -> dict[str, Any]:
-    """Scale each gene to unit variance (and zero mean), clipping values above max_value.
+    """Set how pca scales genes: to unit variance (and zero mean), clipping values above max_value.
 
-    Needs normalize first; after highly_variable_genes with subset=true it scales only those genes.
+    Needs normalize first. pca then scales a copy of the genes it uses (the highly variable ones
+    where flagged); X keeps the log-normalised values of all genes, which markers, annotation
+    and plots read.
 
     Args:
         max_value: Clip scaled values above this; leave out for no clipping.
-        zero_center: Centre each gene on zero (makes X dense).
+        zero_center: Centre each gene on zero (makes pca's scaled copy dense).
     """
     if "scale" in session.done:
-        raise ToolError("scale was already applied")
+        raise ToolError("scale was already set; pca scales as it says")
     adata = session.adata
+    genes = scaled_genes(adata)
     if zero_center:
-        _check_dense_size("scale", adata)
-        if sparse.issparse(adata.X):
-            adata.X = adata.X.toarray()  # centring makes it dense anyway; say so, not warn
-    sc.pp.scale(adata, max_value=max_value, zero_center=zero_center)
-    x = adata.X.data if sparse.issparse(adata.X) else adata.X
-    clipped = int(np.sum(np.abs(x) >= max_value)) if max_value is not None else 0
+        _check_dense_size("scale", adata.n_obs, int(genes.sum()))
+    adata.uns[SCALE_KEY] = {"max_value": max_value, "zero_center": zero_center}
     return {
-        "n_genes": adata.n_vars,
+        "n_genes": int(genes.sum()),
+        "genes": "highly variable" if "highly_variable" in adata.var else "all",
         "max_value": max_value,
         "zero_center": zero_center,
-        "values_clipped": clipped,
+        "applied": "by pca, to a copy of these genes; X stays log-normalised",
     }

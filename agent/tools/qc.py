@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any
 
 import numpy as np
@@ -14,9 +15,17 @@ from scipy.stats import median_abs_deviation
 from agent.registry import ToolError, tool
 from agent.tools.common import Count, counts_matrix, obs_column, quantiles
 from agent.tools.session import Session
+from agent.tools.species import detect_species, symbol_rules
 
 Nmads = Annotated[float, Field(ge=1, le=10)]
 Percent = Annotated[float, Field(ge=0, le=100)]
+
+
+# Floors under the MAD-based thresholds. Where most cells share one value (e.g. none or one
+# mitochondrial count) the MAD is 0 and median + k * MAD would flag every cell above the median.
+MIN_LOG_MAD = 0.1  # log1p genes/counts: one MAD is at least ~10%
+MIN_PCT_MT_MAD = 0.5  # percent mitochondrial counts: one MAD is at least half a point
+MIN_MAX_PCT_MT = 5.0  # no cell under 5% mitochondrial counts is called damaged (Seurat's PBMC cut)
 
 
 def gene_masks(
@@ -25,47 +34,113 @@ def gene_masks(
     ribo_prefixes: tuple[str, ...] = ("RPS", "RPL"),
     hb_pattern: str = r"^HB[^(P)]",
 ) -> dict[str, np.ndarray]:
-    """Mitochondrial, ribosomal and haemoglobin genes by symbol (the scanpy tutorial's rules)."""
-    names = pd.Index(names).astype(str)
+    """Mitochondrial, ribosomal and haemoglobin genes by symbol (the scanpy tutorial's rules),
+    matched case-insensitively: human (MT-CO1) and mouse (mt-Co1) symbols differ only in case."""
+    names = pd.Index(names).astype(str).str.upper()
     return {
-        "mt": np.asarray(names.str.startswith(mt_prefix)),
-        "ribo": np.asarray(names.str.startswith(tuple(ribo_prefixes))),
-        "hb": np.asarray(names.str.contains(hb_pattern, regex=True)),
+        "mt": np.asarray(names.str.startswith(mt_prefix.upper())),
+        "ribo": np.asarray(names.str.startswith(tuple(p.upper() for p in ribo_prefixes))),
+        "hb": np.asarray(names.str.contains(hb_pattern, flags=re.IGNORECASE, regex=True)),
     }
 
 
-def _mad_bounds(values: np.ndarray, nmads: float) -> tuple[float, float]:
-    """median -/+ nmads * MAD (unscaled, as in the single-cell best-practices book)."""
-    median = float(np.median(values))
+def _check_patterns(mt_prefix: str, ribo_prefixes: list[str], hb_pattern: str) -> None:
+    if not mt_prefix or not ribo_prefixes or not all(ribo_prefixes):
+        raise ToolError(
+            f"qc_metrics: mt_prefix={mt_prefix!r} and ribo_prefixes={list(ribo_prefixes)} must "
+            "be non-empty (an empty prefix matches every gene)"
+        )
+    try:
+        re.compile(hb_pattern)
+    except re.error as e:
+        raise ToolError(
+            f"qc_metrics: hb_pattern={hb_pattern!r} is not a regular expression ({e})"
+        ) from None
+
+
+def _species_patterns(
+    names: Any, mt_prefix: str | None, ribo_prefixes: tuple[str, ...] | None, hb_pattern: str | None
+) -> dict[str, Any]:
+    """The gene-set patterns: those given, the rest from the species the symbols show."""
+    species = detect_species(names)
+    rules = symbol_rules(species["species"])
+    given = {"mt_prefix": mt_prefix, "ribo_prefixes": ribo_prefixes, "hb_pattern": hb_pattern}
+    patterns = {k: getattr(rules, k) if v is None else v for k, v in given.items()}
+    patterns["ribo_prefixes"] = list(patterns["ribo_prefixes"])  # as the record keeps it
+    return {
+        "species": species["species"],
+        "species_evidence": species["evidence"],
+        "patterns": patterns,
+        "patterns_given": [k for k, v in given.items() if v is not None],
+    }
+
+
+def _mad_spread(values: np.ndarray, min_mad: float) -> dict[str, float]:
+    """Median and MAD (unscaled, as in the single-cell best-practices book), the MAD floored."""
     mad = float(median_abs_deviation(values))
-    return median - nmads * mad, median + nmads * mad
+    return {"median": float(np.median(values)), "mad": mad, "mad_used": max(mad, min_mad)}
+
+
+def _suggest(obs: pd.DataFrame, nmads: float, nmads_mt: float) -> tuple[dict, dict, list[str]]:
+    """Thresholds at median +/- nmads floored MADs, the spreads used, and the floors that acted."""
+    spread = {
+        "log1p_n_genes": _mad_spread(obs["log1p_n_genes_by_counts"].to_numpy(), MIN_LOG_MAD),
+        "log1p_total_counts": _mad_spread(obs["log1p_total_counts"].to_numpy(), MIN_LOG_MAD),
+        "pct_counts_mt": _mad_spread(obs["pct_counts_mt"].to_numpy(), MIN_PCT_MT_MAD),
+    }
+    genes, counts, mt = spread.values()
+    mt_by_mad = mt["median"] + nmads_mt * mt["mad_used"]
+    suggested = {
+        "min_genes": max(0, math.floor(math.expm1(genes["median"] - nmads * genes["mad_used"]))),
+        "max_genes": math.ceil(math.expm1(genes["median"] + nmads * genes["mad_used"])),
+        "min_counts": max(0, math.floor(math.expm1(counts["median"] - nmads * counts["mad_used"]))),
+        "max_counts": math.ceil(math.expm1(counts["median"] + nmads * counts["mad_used"])),
+        "max_pct_mt": round(min(100.0, max(MIN_MAX_PCT_MT, mt_by_mad)), 2),
+    }
+    floors = [
+        f"{name} MAD {s['mad']:.3g} raised to {s['mad_used']}"
+        for name, s in spread.items()
+        if s["mad_used"] > s["mad"]
+    ]
+    if mt_by_mad < MIN_MAX_PCT_MT:
+        floors.append(f"max_pct_mt {mt_by_mad:.2f} raised to the minimum {MIN_MAX_PCT_MT}")
+    for s in spread.values():
+        s.update({k: round(v, 4) for k, v in s.items()})
+    return suggested, spread, floors
 
 
 @tool("qc")
 def qc_metrics(
     session: Session,
-    mt_prefix: str = "MT-",
-    ribo_prefixes: tuple[str, ...] = ("RPS", "RPL"),
-    hb_pattern: str = r"^HB[^(P)]",
+    mt_prefix: str | None = None,
+    ribo_prefixes: tuple[str, ...] | None = None,
+    hb_pattern: str | None = None,
     nmads: Nmads = 5.0,
     nmads_mt: Nmads = 3.0,
 ) -> dict[str, Any]:
     """Compute per-cell QC metrics and suggest filter thresholds from their distributions.
 
-    Runs scanpy's calculate_qc_metrics with mitochondrial, ribosomal and haemoglobin gene sets and
+    Runs scanpy's calculate_qc_metrics with mitochondrial, ribosomal and haemoglobin gene sets
+    (patterns from the species the gene symbols show, human or mouse, matched ignoring case) and
     returns quantiles of genes per cell, counts per cell and percent mitochondrial counts, and
     outlier thresholds at median +/- nmads MADs (log scale for genes and counts; percent
-    mitochondrial above median + nmads_mt MADs) with how many cells each would remove.
+    mitochondrial above median + nmads_mt MADs) with how many cells each would remove. Where
+    most cells share one value the MAD is near 0: it is floored (0.1 on log scale, 0.5 percent
+    points), and max_pct_mt is at least 5%. The thresholds are kept in uns['qc_thresholds'] for
+    the QC violin plot.
 
     Args:
-        mt_prefix: Prefix of mitochondrial gene symbols ('mt-' for mouse).
-        ribo_prefixes: Prefixes of ribosomal protein genes.
-        hb_pattern: Regular expression for haemoglobin genes.
+        mt_prefix: Prefix of mitochondrial gene symbols; default from the detected species
+            ('MT-' human, 'mt-' mouse).
+        ribo_prefixes: Prefixes of ribosomal protein genes; default from the detected species.
+        hb_pattern: Regular expression for haemoglobin genes; default from the detected species.
         nmads: MADs from the median (log scale) beyond which genes/counts per cell are outliers.
         nmads_mt: MADs above the median beyond which percent mitochondrial counts is an outlier.
     """
     adata = session.adata
-    masks = gene_masks(adata.var_names, mt_prefix, ribo_prefixes, hb_pattern)
+    chosen = _species_patterns(adata.var_names, mt_prefix, ribo_prefixes, hb_pattern)
+    _check_patterns(**chosen["patterns"])
+    masks = gene_masks(adata.var_names, **chosen["patterns"])
     for name, mask in masks.items():
         adata.var[name] = mask
     layer = "counts" if "counts" in adata.layers else None
@@ -73,15 +148,16 @@ def qc_metrics(
         adata, qc_vars=["mt", "ribo", "hb"], percent_top=None, log1p=True, inplace=True, layer=layer
     )
     obs = adata.obs
-    low_genes, high_genes = _mad_bounds(obs["log1p_n_genes_by_counts"].to_numpy(), nmads)
-    low_counts, high_counts = _mad_bounds(obs["log1p_total_counts"].to_numpy(), nmads)
-    _, high_mt = _mad_bounds(obs["pct_counts_mt"].to_numpy(), nmads_mt)
-    suggested = {
-        "min_genes": max(0, math.floor(math.expm1(low_genes))),
-        "max_genes": math.ceil(math.expm1(high_genes)),
-        "min_counts": max(0, math.floor(math.expm1(low_counts))),
-        "max_counts": math.ceil(math.expm1(high_counts)),
-        "max_pct_mt": round(min(100.0, high_mt), 2),
+    suggested, spread, floors = _suggest(obs, nmads, nmads_mt)
+    method = (
+        f"median +/- {nmads} MAD of log1p genes and counts (MAD at least {MIN_LOG_MAD}); "
+        f"pct_counts_mt > max({MIN_MAX_PCT_MT}, median + {nmads_mt} MAD) "
+        f"(MAD at least {MIN_PCT_MT_MAD})"
+    )
+    adata.uns["qc_thresholds"] = {
+        "suggested": dict(suggested),
+        "method": method,
+        "species": chosen["species"],
     }
     genes, counts, mt = obs["n_genes_by_counts"], obs["total_counts"], obs["pct_counts_mt"]
     flagged = {
@@ -91,8 +167,15 @@ def qc_metrics(
         "max_counts": counts > suggested["max_counts"],
         "max_pct_mt": mt > suggested["max_pct_mt"],
     }
+    warnings = []
+    if not masks["mt"].any():
+        warnings.append(
+            f"no mitochondrial genes with prefix {chosen['patterns']['mt_prefix']!r}: "
+            "pct_counts_mt is 0 and max_pct_mt removes nothing"
+        )
     return {
         "n_cells": adata.n_obs,
+        **chosen,
         "gene_sets": {name: int(mask.sum()) for name, mask in masks.items()},
         "genes_per_cell": quantiles(genes, 0),
         "counts_per_cell": quantiles(counts, 0),
@@ -102,7 +185,10 @@ def qc_metrics(
         "suggested_thresholds": suggested,
         "cells_outside_each": {k: int(v.sum()) for k, v in flagged.items()},
         "cells_outside_any": int(np.logical_or.reduce(list(flagged.values())).sum()),
-        "method": f"median +/- {nmads} MAD of log1p genes and counts; pct_counts_mt > median + {nmads_mt} MAD",
+        "method": method,
+        "spread": spread,
+        "floors_applied": floors,
+        "warnings": warnings,
     }
 
 
@@ -259,4 +345,7 @@ def filter_by_qc(
         mask = tests[name](value)
         removed_by[name] = int((~mask).sum())
         keep &= mask
-    return _apply_cell_mask(session, "filter_by_qc", keep, removed_by) | {"thresholds": given}
+    result = _apply_cell_mask(session, "filter_by_qc", keep, removed_by)
+    # the QC violin drawn after this shows the thresholds applied, not those suggested
+    session.adata.uns.setdefault("qc_thresholds", {})["applied"] = dict(given)
+    return result | {"thresholds": given}

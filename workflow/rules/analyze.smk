@@ -1,10 +1,14 @@
 # One agent job per sample: the agent loop with the sample's policy, writing the provenance
 # record, per-step metrics, checkpoints, plots and, when the analysis finishes, the final AnnData
-# (the files' names: agent/layout.py). An analysis that ends unfinished (e.g. unreadable input)
-# still exits 0 with its record: the report shows it as failed. A fault of the machine (server
-# gone, I/O error, SIGTERM at a time limit) exits non-zero; the unfinished record in checkpoints/
-# lets the retry resume. A rerun of a finished sample with the same settings keeps its record
-# (the same file) and redoes nothing.
+# (the files' names: agent/layout.py). An analysis that ends unfinished (repeated failures, step
+# limit) still exits 0 with its record: the report shows it as failed. So does a refused input
+# (load_data could not read counts from it, e.g. too few cells or normalised values): `agent run`
+# exits 3, which the job accepts as the sample's result (a retry would end the same way): the log
+# ends with "input refused (exit 3)" and the reason, which the record's meta.error keeps too; a
+# fixed sheet row (its `layer` or `gene_symbols` column) redoes the sample. A fault of the machine
+# (server gone, I/O error, SIGTERM at a time limit) exits non-zero; the unfinished record in
+# checkpoints/ lets the retry resume. A rerun of a finished sample with the same settings keeps
+# its record (the same file) and redoes nothing.
 #
 # Declared: the record, the metrics and plots/ (made even when nothing was drawn). Not declared:
 # adata.h5ad, which only a finished analysis writes (Snakemake has no optional outputs, and a
@@ -61,6 +65,6 @@ rule analyze:
         {{ {params.wait_for_server}; }} >> {log:q} 2>&1
         # BLAS threads within the job's allocation
         export OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} MKL_NUM_THREADS={threads}
-        python -m agent run --outdir {params.outdir:q} {params.args} >> {log:q} 2>&1
+        python -m agent run --outdir {params.outdir:q} {params.args} >> {log:q} 2>&1 || [ $? -eq 3 ]
         mkdir -p {output.plots:q}  # an analysis that drew nothing still has the declared folder
         """

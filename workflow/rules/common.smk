@@ -197,6 +197,9 @@ def analyze_args(wildcards):
     args += ["--seed", str(s["seed"]), "--max-steps", str(s["max_steps"])]
     if s["brief"]:
         args += ["--brief", s["brief"]]
+    for column in ("layer", "gene_symbols"):  # optional sheet columns, no config default
+        if s.get(column):
+            args += [f"--{column.replace('_', '-')}", s[column]]
     if s["policy"] == "llm":
         args += ["--outage-wait", str(SERVER["outage_wait"])]
     if s["policy"] == "llm" and SERVER["mode"] == "vllm":

@@ -1,0 +1,135 @@
+"""Real single-cell count matrices that installed packages ship, as run inputs (issue 15).
+
+Nothing is downloaded here and no data live in the repository: each set is read from the package
+that ships it (PyPI packages of the ``test`` extra; Debian's unpacked by tests/realdata/install.sh),
+converted once per test session to an .h5ad of raw counts (barcodes and genes only, so an
+analysis cannot see the labels), with a truth.tsv of the published labels beside it where the set
+has them. A set whose package is missing is skipped, naming what installs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import sparse
+
+from agent.data.synthetic import truth_path
+from agent.world_state import WorldState
+from tests.fixtures_data import run_reference
+
+# where tests/realdata/install.sh unpacks Debian packages (one folder each)
+REALDATA_DIR = Path(os.environ.get("SCAGENT_REALDATA", "/var/cache/scagent-realdata"))
+INSTALL_HINT = "pip install -e '.[test]' and bash tests/realdata/install.sh"
+
+
+@dataclass(frozen=True)
+class RealSet:
+    """One shipped set: where it lies and how it becomes cells x genes of raw counts."""
+
+    name: str
+    species: str
+    package: str  # PyPI module or Debian package that ships it
+    file: str  # the file's path inside that package
+    read: Callable[[Path], tuple[ad.AnnData, pd.Series | None]]  # counts, published labels
+
+
+def _counts_from_lognorm(path: Path) -> tuple[ad.AnnData, pd.Series]:
+    """scanpy's pbmc68k_reduced: its .raw is log1p of depth-normalised counts of 765 genes.
+
+    Within a cell every count is a multiple of the normalised value of a single count, taken as
+    the cell's smallest non-zero value; rounding then recovers integer counts. The residual is
+    checked, so a changed file fails here instead of feeding the analysis made-up counts.
+    """
+    shipped = ad.read_h5ad(path)
+    values = np.expm1(np.asarray(shipped.raw.X.todense(), dtype=np.float64))
+    one_count = np.where(values > 0, values, np.inf).min(axis=1, keepdims=True)
+    scaled = values / one_count
+    counts = np.rint(scaled)
+    residual = float(np.abs(scaled - counts).max())
+    assert residual < 0.25, f"{path}: .raw is not a scaled count matrix (residual {residual:.3f})"
+    adata = ad.AnnData(sparse.csr_matrix(counts, dtype=np.float32))
+    adata.obs_names, adata.var_names = shipped.obs_names, shipped.raw.var_names
+    return adata, shipped.obs["bulk_labels"].astype(str)
+
+
+def _counts_from_table(sep: str, genes_in_rows: bool) -> Callable[[Path], tuple[ad.AnnData, None]]:
+    def read(path: Path) -> tuple[ad.AnnData, None]:
+        table = pd.read_csv(path, sep=sep, index_col=0)
+        table = table.T if genes_in_rows else table
+        adata = ad.AnnData(sparse.csr_matrix(table.to_numpy(dtype=np.float32)))
+        adata.obs_names, adata.var_names = table.index.astype(str), table.columns.astype(str)
+        return adata, None
+
+    return read
+
+
+REAL_SETS = {
+    s.name: s
+    for s in (
+        # Zheng et al. 2017 PBMCs, 700 cells, labels from sorted bulk profiles (scanpy's wheel)
+        RealSet("pbmc68k_reduced", "human", "scanpy", "datasets/10x_pbmc68k_reduced.h5ad",
+                _counts_from_lognorm),
+        # Seurat's pbmc_small: 80 shallow PBMCs x 230 genes, UMI counts (Debian r-cran-seurat)
+        RealSet("pbmc_small", "human", "r-cran-seurat",
+                "usr/lib/R/site-library/Seurat/extdata/pbmc_raw.txt",
+                _counts_from_table("\t", genes_in_rows=True)),
+        # CellTypist's sample: 559 cells x 32,786 genes (the whole 10x gene list), UMI counts
+        RealSet("celltypist_sample", "human", "celltypist", "data/samples/sample_cell_by_gene.csv",
+                _counts_from_table(",", genes_in_rows=False)),
+    )
+}  # fmt: skip
+
+
+def shipped_file(real: RealSet) -> Path | None:
+    """The set's file in its installed package (a Python module, else a Debian package installed
+    or unpacked by tests/realdata/install.sh), or None where it is not installed."""
+    spec = importlib.util.find_spec(real.package) if real.package.isidentifier() else None
+    if spec is not None and spec.submodule_search_locations:
+        candidates = [Path(loc) / real.file for loc in spec.submodule_search_locations]
+    else:
+        candidates = [Path("/") / real.file, REALDATA_DIR / real.package / real.file]
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def write_truth(labels: pd.Series, path: Path) -> None:
+    """truth.tsv (agent/report/truth.py's columns): published labels; no planted defects."""
+    truth = pd.DataFrame({"barcode": labels.index, "cell_type": labels.to_numpy()})
+    for flag in ("is_doublet", "is_damaged", "is_empty"):
+        truth[flag] = False
+    truth.to_csv(path, sep="\t", index=False)
+
+
+@pytest.fixture(scope="session", params=sorted(REAL_SETS))
+def real_input(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One shipped set as a raw-count .h5ad (truth.tsv beside it when it has published labels)."""
+    real = REAL_SETS[request.param]
+    source = shipped_file(real)
+    if source is None:
+        pytest.skip(f"{real.name}: {real.file} of {real.package} not installed ({INSTALL_HINT})")
+    adata, labels = real.read(source)
+    path = tmp_path_factory.mktemp(real.name) / f"{real.name}.h5ad"
+    adata.write_h5ad(path)
+    if labels is not None:
+        write_truth(labels, truth_path(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_run(real_input: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The reference analysis of one shipped set, run once per session."""
+    session, world = run_reference(real_input, tmp_path_factory.mktemp(f"{real_input.stem}_run"))
+    return {"name": real_input.stem, "input": real_input, "session": session, "world": world}
+
+
+def last_ok(world: WorldState, tool: str) -> Any:
+    """The latest successful entry of ``tool``, or None."""
+    return next((e for e in reversed(world.entries) if e.tool == tool and e.status == "ok"), None)

@@ -1,0 +1,76 @@
+"""The reference analysis on real count matrices that installed packages ship (issue 15).
+
+Each test runs once per set (tests/fixtures_realdata.py: pbmc68k_reduced from scanpy, pbmc_small
+from Debian's r-cran-seurat, CellTypist's sample); the analysis itself runs once per session.
+No mouse set with gene symbols ships in a package found so far, so mouse QC is tested on
+synthetic data only. `pytest -s` shows the agreement with the published labels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anndata as ad
+import numpy as np
+import pytest
+
+from agent.data.synthetic import truth_path
+from agent.report.truth import read_truth, score
+from tests.fixtures_realdata import REAL_SETS, last_ok
+
+# ARI against the published labels, measured 2026-12 with the reference recipe of issue 15's
+# branch: pbmc68k_reduced (Zheng 2017 bulk-profile labels, themselves noisy) leiden 0.478,
+# cell_type 0.595. The floors sit below to leave room for the QC/resolution work in flight;
+# the lead re-measures and raises them.
+ARI_FLOORS = {"pbmc68k_reduced": {"leiden": 0.35, "cell_type": 0.45}}
+# QC (filter_cells + filter_by_qc) removed at most 7.3% of a set (CellTypist's, all by pct MT);
+# a zero-spread MT threshold removed a quarter of a PBMC sample.
+MAX_QC_REMOVED = 0.15
+
+
+def final_object(run: dict[str, Any]) -> ad.AnnData:
+    return ad.read_h5ad(run["session"].layout.final)
+
+
+def test_real_set_analysis_finishes_with_clusters(real_run: dict[str, Any]) -> None:
+    finish = last_ok(real_run["world"], "finish")
+    assert finish is not None, f"{real_run['name']}: the reference analysis did not finish"
+    assert finish.result["n_clusters"] >= 2, finish.result.get("leiden_sizes")
+
+
+def test_real_set_species_found_from_genes(real_run: dict[str, Any]) -> None:
+    qc = last_ok(real_run["world"], "qc_metrics")
+    assert qc.result["species"] == REAL_SETS[real_run["name"]].species, qc.result
+
+
+def test_real_set_qc_has_no_zero_mt_threshold(real_run: dict[str, Any]) -> None:
+    world = real_run["world"]
+    qc = last_ok(world, "filter_by_qc")
+    assert qc is not None and qc.params["max_pct_mt"] > 0, qc and qc.params
+    loaded = last_ok(world, "load_data").result["n_cells"]
+    removed = sum(last_ok(world, t).result["removed"] for t in ("filter_cells", "filter_by_qc"))
+    assert removed / loaded <= MAX_QC_REMOVED, f"QC removed {removed} of {loaded} cells"
+
+
+def test_real_set_final_object_keeps_genes_and_counts(real_run: dict[str, Any]) -> None:
+    final = final_object(real_run)
+    genes_after = last_ok(real_run["world"], "filter_genes").result["genes_after"]
+    assert final.n_vars == genes_after, "the final object dropped genes that passed filtering"
+    assert "highly_variable" in final.var
+    shipped = ad.read_h5ad(real_run["input"])[final.obs_names, final.var_names]
+    assert "counts" in final.layers, list(final.layers)
+    counts = final.layers["counts"]
+    assert (abs(counts - shipped.X) > 0).nnz == 0, "layers['counts'] differs from the input"
+    x = final.X.toarray() if hasattr(final.X, "toarray") else np.asarray(final.X)
+    assert x.min() >= 0, "X is scaled, not log-normalised"
+
+
+def test_real_set_agrees_with_published_labels(real_run: dict[str, Any]) -> None:
+    floors = ARI_FLOORS.get(real_run["name"])
+    if floors is None:
+        pytest.skip(f"{real_run['name']} ships no published labels")
+    obs = final_object(real_run).obs
+    truth = read_truth(truth_path(real_run["input"]))
+    ari = {key: score(obs, truth, cluster_key=key)["ari"] for key in floors}
+    print(f"{real_run['name']}: ARI vs published labels {ari}")
+    assert all(ari[key] >= floor for key, floor in floors.items()), (ari, floors)

@@ -1,0 +1,99 @@
+"""detect_doublets on small and large samples, and the reference recipe's doublet steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+import scanpy as sc
+
+import agent.tools.doublets as doublets
+from agent.data.synthetic import SampleSpec, simulate
+from agent.policies.reference import ReferencePolicy, _doublet_rate, _doublet_threshold
+from agent.tools.session import Session
+from tests.fixtures_data import REGISTRY
+from tests.fixtures_data import call_tool as call
+
+
+def test_too_few_cells_are_refused_clearly(session_at):
+    session = session_at("filter_by_qc")
+    session.adata = session.adata[:60].copy()
+    out = call(session, "detect_doublets")
+    assert not out.ok
+    assert "at least 100 cells" in out.error and "have 60" in out.error and "skip" in out.error
+
+
+def test_principal_components_shrink_to_a_small_sample(session_at):
+    session = session_at("filter_by_qc")
+    session.adata = session.adata[:150, :60].copy()  # 23 variable genes: 30 PCs fail in scanpy
+    out = call(session, "detect_doublets", n_prin_comps=30)
+    assert out.ok, out.error
+    assert 2 <= out.result["n_prin_comps"] < 30
+    assert out.result["n_prin_comps"] < doublets._scrublet_genes(session.adata)
+
+
+@pytest.fixture(scope="module")
+def planted() -> tuple[Any, np.ndarray]:
+    """2,400 synthetic cells (empty and damaged barcodes dropped) and which are planted doublets."""
+    adata, truth = simulate(SampleSpec("mid", 2400, seed=5))
+    keep = ~(truth["is_empty"] | truth["is_damaged"]).to_numpy()
+    adata = adata[keep].copy()
+    sc.pp.filter_genes(adata, min_cells=3)
+    return adata, truth["is_doublet"].to_numpy()[keep]
+
+
+def _recall_and_false_calls(tmp_path: Path, adata: Any, doublet: np.ndarray) -> tuple[Any, ...]:
+    session = Session(tmp_path, seed=0)
+    session.adata = adata.copy()
+    out = call(session, "detect_doublets", expected_doublet_rate=0.06)
+    assert out.ok, out.error
+    called = session.adata.obs["predicted_doublet"].to_numpy()
+    assert out.result["n_predicted_doublets"] == called.sum()
+    return out.result, called[doublet].mean(), called[~doublet].mean()
+
+
+def test_batches_keep_the_recall_of_one_call(planted, tmp_path, monkeypatch):
+    adata, doublet = planted
+    whole, recall, false = _recall_and_false_calls(tmp_path / "whole", adata, doublet)
+    assert whole["batches"] == 1
+    monkeypatch.setattr(doublets, "BATCH_CELLS", 1200)  # as a large sample is called
+    batched, recall_b, false_b = _recall_and_false_calls(tmp_path / "batched", adata, doublet)
+    assert batched["batches"] == 2 and batched["cells_per_batch"] <= 1200
+    assert recall > 0.7 and recall_b >= recall - 0.05
+    assert false < 0.02 and false_b < 0.02
+
+
+def _calls_until_normalize(cells_after_qc: int) -> list[str]:
+    """The reference policy's calls, each succeeding, when QC leaves ``cells_after_qc`` cells."""
+    results = {"qc_metrics": {"n_cells": 2000}, "filter_by_qc": {"cells_after": cells_after_qc}}
+    world, names = SimpleNamespace(entries=[], meta={}), []
+    policy = ReferencePolicy(REGISTRY)
+    while "normalize" not in names:
+        sent = policy.decide([], [], world).calls[0]
+        names.append(sent.name)
+        world.entries.append(SimpleNamespace(
+            step=len(names), tool=sent.name, params=orjson.loads(sent.arguments),
+            rejected_arguments=None, status="ok", result=results.get(sent.name, {}), error=None,
+        ))  # fmt: skip
+    return names
+
+
+def test_recipe_skips_doublets_where_they_cannot_be_called():
+    assert "detect_doublets" not in _calls_until_normalize(80)
+    assert "remove_doublets" not in _calls_until_normalize(80)
+    assert {"detect_doublets", "remove_doublets"} <= set(_calls_until_normalize(1800))
+
+
+def test_threshold_fallback_is_not_sent_for_a_sample_too_small():
+    few = {"filter_by_qc": {"cells_after": 99}}
+    many = {"filter_by_qc": {"cells_after": 2000}}
+    assert _doublet_rate(lambda t: few.get(t, {})) is None
+    assert _doublet_threshold(lambda t: few.get(t, {})) is None
+    assert _doublet_threshold(lambda t: many.get(t, {})) == {
+        "expected_doublet_rate": 0.06,
+        "threshold": 0.25,
+    }
