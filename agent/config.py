@@ -117,9 +117,7 @@ class RunConfig(BaseModel):
     @property
     def load_options(self) -> dict[str, str]:
         """The load_data arguments this run sets (the reference policy passes them)."""
-        return {
-            k: v for k, v in {"layer": self.layer, "gene_symbols": self.gene_symbols}.items() if v
-        }
+        return {k: getattr(self, k) for k in LOAD_OPTIONS if getattr(self, k)}
 
     # The command line: one option per field, so that the two never disagree.
 
@@ -150,6 +148,8 @@ class RunConfig(BaseModel):
         return cls(**{name: getattr(args, name) for name in cls.model_fields})
 
 
+# Run options that are load_data arguments of the same name; the record's meta keeps them.
+LOAD_OPTIONS = ("layer", "gene_symbols")
 # Names that say what a file or folder holds, not whose it is: a sample is named by the first
 # folder above them.
 GENERIC_NAMES = frozenset(

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from agent.config import RunConfig
+from agent.config import LOAD_OPTIONS, RunConfig
 from agent.context import ContextManager, TokenCounter, tokenizer_estimate
 from agent.lock import FolderBusy, FolderLock
 from agent.loop import input_refusal, run_loop
@@ -79,8 +79,7 @@ def run_sample(config: RunConfig) -> str:
             "policy": config.policy,
             "seed": config.seed,
             "brief": config.brief,
-            "layer": config.layer,
-            "gene_symbols": config.gene_symbols,
+            **{k: getattr(config, k) for k in LOAD_OPTIONS},
         }
         action, world = plan(layout, wanted, config.max_steps, config.fresh, config.replace_changed)
         if action == "keep":

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from agent.config import LOAD_OPTIONS
 from agent.policies.base import Decision, ToolCall
 
 Args = dict[str, Any]
@@ -184,7 +185,6 @@ def _same(args: Args, params: Args, defaults: Args) -> bool:
 
 # load_data names the one change of arguments that fixes a refusal as load_data(NAME='VALUE')
 LOAD_FIX = re.compile(r"load_data\((\w+)=('[^']*'|\"[^\"]*\")\)")
-RUN_OPTIONS = ("layer", "gene_symbols")  # the run's --layer, --gene-symbols, in the record's meta
 
 
 def _load_args(
@@ -193,7 +193,7 @@ def _load_args(
     """load_data's next arguments: ``base`` with the run's options; after a failure, the last
     arguments with the change its error names, unless tried already or overriding a run option.
     None: nothing can fix the input."""
-    options = {k: meta[k] for k in RUN_OPTIONS if meta.get(k)}
+    options = {k: meta[k] for k in LOAD_OPTIONS if meta.get(k)}  # as the run set them
     if not attempts:
         return {**base, **options}
     fix = LOAD_FIX.search(attempts[-1].error or "")

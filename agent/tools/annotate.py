@@ -12,7 +12,7 @@ import scanpy as sc
 from pydantic import Field
 
 from agent.registry import ToolError, tool
-from agent.tools.common import Key, Limit, obs_column, sizes
+from agent.tools.common import Key, Limit, all_genes, obs_column, sizes
 from agent.tools.session import Session
 from agent.tools.species import HUMAN, MOUSE, detect_species
 
@@ -157,7 +157,7 @@ def annotate_clusters(
     clusters = obs_column(
         adata, groupby, "annotate_clusters", "call leiden first (or give another groupby)"
     ).astype(str)
-    names = (adata.raw.var_names if adata.raw is not None else adata.var_names).astype(str)
+    names = all_genes(adata).var_names.astype(str)
     species = detect_species(names)
     sets, source = _load_marker_sets(session, markers_file, species["species"])
     usable, missing = _match_genes(sets, names)

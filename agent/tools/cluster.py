@@ -19,7 +19,7 @@ from scipy import sparse
 from sklearn.metrics import adjusted_rand_score, silhouette_score
 
 from agent.registry import tool
-from agent.tools.common import Key, scanpy_params, sizes
+from agent.tools.common import Key, all_genes, scanpy_params, sizes
 from agent.tools.session import Session
 
 Resolution = Annotated[float, Field(gt=0, le=5)]
@@ -72,7 +72,7 @@ def _expression(adata: Any) -> tuple[Any, Any]:
     """Log-normalised values of all genes and their squares (computed once per sweep): .raw
     where highly_variable_genes subset X, else X (a scaled X would give the same effect sizes:
     Cohen's d does not change under per-gene scaling)."""
-    values = sparse.csr_matrix(adata.raw.X if adata.raw is not None else adata.X)
+    values = sparse.csr_matrix(all_genes(adata).X)
     return values, values.power(2)
 
 

@@ -27,6 +27,12 @@ def counts_matrix(adata: Any) -> Any:
     return adata.X
 
 
+def all_genes(adata: Any) -> Any:
+    """Log-normalised values of all genes (``.X`` and ``.var_names``): ``adata.raw`` where
+    highly_variable_genes subset X, else the AnnData itself."""
+    return adata.raw if adata.raw is not None else adata
+
+
 def quantiles(values: Any, digits: int = 2) -> dict[str, float]:
     """Percentiles 1, 5, 25, 50, 75, 95 and 99 of a vector, keyed 'p1' ... 'p99'."""
     values = np.asarray(values, dtype=float)

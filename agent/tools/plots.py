@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 import scanpy as sc
 
 from agent.registry import ToolError, tool
-from agent.tools.common import Key
+from agent.tools.common import Key, all_genes
 from agent.tools.session import Session
 
 QC_KEYS = ("n_genes_by_counts", "total_counts", "pct_counts_mt")
@@ -67,7 +67,7 @@ def _figure(session: Session, kind: str, color: str | None, groupby: str) -> Any
         return plt.gcf()
     if kind == "umap":
         key = color or groupby
-        genes = adata.raw.var_names if adata.raw is not None else adata.var_names
+        genes = all_genes(adata).var_names
         if key not in adata.obs.columns and key not in genes:
             raise ToolError(
                 f"plot umap: color {key!r} is neither a cell annotation (obs: {list(adata.obs.columns)[:20]}) nor a gene"
