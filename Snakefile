@@ -30,6 +30,7 @@ wildcard_constraints:
 
 localrules:
     all,
+    fetch_model,  # needs the internet, which compute nodes may not have
 
 
 rule all:

@@ -71,8 +71,17 @@ class RunConfig(BaseModel):
     context_limit: int = Field(
         32768, ge=1, description="used when the server does not report max_model_len"
     )
-    max_tokens: int = Field(
-        1024, ge=1, description="completion limit per reply, reserved in the context budget"
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="completion limit per reply, reserved in the context budget (default: the "
+        "model family's, which leaves thinking models room to think; else 1024)",
+    )
+    no_thinking: bool = Field(
+        False,
+        description="switch the model's thinking off from the first request, where its family "
+        "has a switch (Qwen3, Qwen3.5/3.6: enable_thinking false): shorter, faster replies "
+        "(llm policy)",
     )
     tokenizer: str | None = Field(
         None, description="model folder with tokenizer.json, for exact local token counts"

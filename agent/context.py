@@ -1,13 +1,18 @@
 """Context engineering: token counting that calibrates itself, the budget, and truncation.
 
-Prompt layout (cache-aware): [system: fixed instructions] + tool schemas (the chat template puts
-them right after the system text) + history (grows at the end) + [user: rendered world state].
-Everything before the world state is byte-identical from one request to the next until a
-truncation, so the server's prefix cache serves it; the world state changes every step, so it sits
-last, where it invalidates nothing that follows. Putting it in the first system message would force
-the whole tool-schema block to be prefilled again on every step (Qwen-style templates render the
-system text before the tools). Truncation cuts down to a fraction of the budget at once
-(hysteresis), so the prefix breaks once per many steps, not on every step.
+Prompt layout (append-only): [system: fixed instructions] + tool schemas (the chat template puts
+them right after the system text) + [user: the full compact world-state rendering, then the brief]
++ history, in which every tool result starts with its entry's line of the world state
+(``#step tool(params) -> numbers``). The rendering is written at the start and again at each cut
+of the history; between cuts a step only appends its own turn, so every byte of a request before
+the newest turn is the previous request's, and the server's prefix cache serves all of it. The
+model reads the whole world state (the rendering plus the lines since), and no part of it is ever
+truncated. Nothing changing sits in the system message: Qwen-style templates render the system
+text before the tools, so a change there would make the whole tool-schema block be prefilled again.
+
+Truncation is planned for growth: a cut goes down far enough to leave room for ``plan_steps``
+steps of the run's own mean growth per step, so a cut (which re-prefills everything after the
+instructions and tools) comes once per many steps, also on small contexts.
 """
 
 from __future__ import annotations
@@ -95,20 +100,30 @@ class TokenCounter:
 
 @dataclass
 class ContextManager:
+    """The messages of every request. Change ``history`` only through the ``add_*`` methods: the
+    running token count of the history is kept by them (O(1) per step)."""
+
     system_prompt: str
     tools: list[dict[str, Any]]
     context_limit: int
     completion_reserve: int = 1024
     safety_margin: int = 256
-    keep_ratio: float = 0.7
+    plan_steps: int = 40  # a cut leaves room for this many steps of the run's mean growth
+    min_headroom: float = 0.3  # and for at least this share of the history budget
     counter: TokenCounter = field(default_factory=TokenCounter)
     history: list[Message] = field(default_factory=list)
     truncations: int = 0
     last: dict[str, int] = field(default_factory=dict)
+    world_text: str | None = None  # the full world-state rendering, as of the last cut
     _sent_raw: int = 0
+    _history_raw: int = 0  # raw tokens of `history`
+    _raw_after: int | None = None  # raw tokens of `history` when the last prompt was built
+    _grown: tuple[int, int] = (0, 0)  # raw tokens the history grew by, over how many steps
+    _head: Message | None = None  # the first user message: world-state rendering and brief
+    _lead: int = 0  # leading user messages of `history` (the brief) that `_head` holds
 
     def budget(self, world_text: str) -> int:
-        """available_history = limit - tool schemas - system (instructions + world state) - reserves."""
+        """available_history = limit - tool schemas - instructions - world-state rendering - reserves."""
         fixed = self.counter.scaled(
             self.counter.raw(orjson.dumps(self.tools).decode())
             + self.counter.raw_message({"content": self.system_prompt})
@@ -116,29 +131,62 @@ class ContextManager:
         )
         return self.context_limit - fixed - self.completion_reserve - self.safety_margin
 
-    def prompt(self, world_text: str) -> list[Message]:
-        """The messages to send now: truncates the history first if it is over budget."""
-        budget = self.budget(world_text)
+    def headroom(self, budget: int) -> int:
+        """Tokens a cut frees below ``budget``: ``plan_steps`` of the mean step, at least
+        ``min_headroom`` of the budget, at most all of it."""
+        grown, steps = self._grown
+        per_step = self.counter.scaled(grown / steps) if steps else 0
+        return min(budget, max(self.plan_steps * per_step, int(self.min_headroom * budget)))
+
+    def prompt(self, render: Callable[[], str]) -> list[Message]:
+        """The messages to send now; ``render`` gives the world state's full rendering, asked for
+        at the first prompt and at each cut. Cuts the history first if it is over budget."""
+        if self._raw_after is not None and self._history_raw > self._raw_after:
+            grown, steps = self._grown
+            self._grown = (grown + self._history_raw - self._raw_after, steps + 1)
+        if self.world_text is None:
+            self.world_text, self._head = render(), None
+        budget, removed, reprefilled = self._checked_budget(), 0, 0
+        cut = self.counter.scaled(self._history_raw) > budget
+        if cut:
+            self.world_text, self._head = render(), None  # the cut changes all after it anyway
+            budget = self._checked_budget()
+            removed = truncate(self.history, self.counter, budget, budget - self.headroom(budget))
+            self._history_raw = sum(map(self.counter.raw_message, self.history))
+            self.truncations += 1
+        lead = next(
+            (i for i, m in enumerate(self.history) if m["role"] != "user"), len(self.history)
+        )
+        if self._head is None or lead != self._lead:
+            texts = [self.world_text, *(m["content"] for m in self.history[:lead])]
+            self._head, self._lead = {"role": "user", "content": "\n\n".join(texts)}, lead
+        system = {"role": "system", "content": self.system_prompt}
+        messages = [system, self._head, *self.history[lead:]]
+        c = self.counter
+        fixed = c.raw_message(system) + c.raw(orjson.dumps(self.tools).decode())
+        after = c.raw_message(self._head) + self._history_raw
+        after -= sum(map(c.raw_message, self.history[:lead]))
+        self._sent_raw, self._raw_after = fixed + after, self._history_raw
+        if cut:  # everything after the instructions and tools is new to the server's cache
+            reprefilled = c.scaled(after)
+        self.last = {
+            "budget": budget,
+            "history_tokens": c.scaled(self._history_raw),
+            "estimated_prompt_tokens": c.scaled(self._sent_raw),
+            "truncated_messages": removed,
+            "truncations": self.truncations,
+            "reprefilled_tokens": reprefilled,
+        }
+        return messages
+
+    def _checked_budget(self) -> int:
+        budget = self.budget(self.world_text or "")
         if budget <= 0:
             raise ContextOverflow(
                 f"context limit {self.context_limit} leaves no room for history after tool schemas, "
                 f"instructions, world state and the completion reserve {self.completion_reserve}"
             )
-        removed = truncate(self.history, self.counter, budget, self.keep_ratio)
-        self.truncations += removed > 0
-        messages = [
-            {"role": "system", "content": self.system_prompt},
-            *self.history,
-            {"role": "user", "content": world_text},
-        ]
-        self._sent_raw = self.counter.raw_prompt(messages, self.tools)
-        self.last = {
-            "budget": budget,
-            "history_tokens": self.counter.scaled(sum(map(self.counter.raw_message, self.history))),
-            "estimated_prompt_tokens": self.counter.scaled(self._sent_raw),
-            "truncated_messages": removed,
-        }
-        return messages
+        return budget
 
     def observe(self, usage: Usage | None) -> None:
         if usage is not None:
@@ -150,8 +198,14 @@ class ContextManager:
         self.counter.calibrate(self._sent_raw, prompt_tokens or 0)
         self.counter.factor *= 1.05  # strictly more, even when the server gave no count
 
-    def add_user(self, text: str) -> None:
-        self.history.append({"role": "user", "content": text})
+    def _append(self, message: Message) -> None:
+        self.history.append(message)
+        self._history_raw += self.counter.raw_message(message)
+
+    def add_user(self, text: str, line: str | None = None) -> None:
+        """A user message; ``line``: the world-state line of the entry it stands beside (a reply
+        without a call), first."""
+        self._append({"role": "user", "content": f"{line}\n{text}" if line else text})
 
     def add_decision(self, decision: Decision) -> None:
         message: Message = {"role": "assistant", "content": decision.text or ""}
@@ -164,12 +218,18 @@ class ContextManager:
                 }
                 for c in decision.calls
             ]
-        self.history.append(message)
+        self._append(message)
 
-    def add_result(self, call_id: str, outcome: Outcome) -> None:
+    def add_result(self, call_id: str, outcome: Outcome, line: str | None = None) -> None:
+        """A tool result; ``line``: its entry's world-state line, first, then the result's JSON."""
         content = orjson.dumps(outcome.for_model(), option=orjson.OPT_SERIALIZE_NUMPY).decode()
-        self.history.append(
-            {"role": "tool", "tool_call_id": call_id, "name": outcome.tool, "content": content}
+        self._append(
+            {
+                "role": "tool",
+                "tool_call_id": call_id,
+                "name": outcome.tool,
+                "content": f"{line}\n{content}" if line else content,
+            }
         )
 
 
@@ -184,10 +244,8 @@ def _stub(m: Message, tokens: int) -> str:
     ).decode()
 
 
-def truncate(
-    history: list[Message], counter: TokenCounter, budget: int, keep_ratio: float = 0.7
-) -> int:
-    """Shrink `history` in place to <= keep_ratio x budget when it exceeds budget.
+def truncate(history: list[Message], counter: TokenCounter, budget: int, goal: int) -> int:
+    """Shrink `history` in place to <= ``goal`` (<= budget) when it exceeds budget.
 
     First tool results, largest first, become stubs; then the oldest assistant turns (with their
     tool results) go. User messages and the latest assistant turn always stay. Returns how many
@@ -197,7 +255,6 @@ def truncate(
     total = sum(size)
     if total <= budget:
         return 0
-    goal = int(budget * keep_ratio)
     changed = 0
     tool_idx = sorted(
         (

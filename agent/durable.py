@@ -13,6 +13,7 @@ import errno
 import os
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -41,6 +42,11 @@ def sync_dir(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def _sync_dirs(folders: list[Path]) -> None:
+    for folder in folders:
+        sync_dir(folder)
 
 
 def _write_temp(path: Path, data: list[bytes]) -> tuple[Path, _Stamp]:
@@ -145,9 +151,15 @@ class RecordWriter:
     one link), else a new file is written. Other saves write a new file and drop the spare. A
     reader that keeps the file open across two saves may see it grow.
 
-    The fsyncs stay on every save, though a killed process loses nothing in the page cache: since
-    a published file is written again (as the spare) two saves later, without them a power loss
-    could leave a torn document under the published names.
+    The fsyncs stay, though a killed process loses nothing in the page cache: since a published
+    file is written again (as the spare) two saves later, without them a power loss could leave a
+    torn document under the published names. The file's own fsync comes before its renames, on
+    every save. An append save leaves the folders' fsyncs (which make its renames durable) to a
+    background thread, overlapping the next model request and tool call, and the next save
+    waits for them before it writes anything: so no file a name may point to after a power loss
+    is extended before its renames are durable, and each name still holds an old or a new whole
+    document. A power loss may then lose the newest save's renames (the record is one step
+    older), never a document. Other saves, and ``flush``, wait for them at once.
     """
 
     def __init__(self, path: Path, copies: tuple[Path, ...] = ()):
@@ -155,12 +167,30 @@ class RecordWriter:
         # (head, items, stamp) of the file last published and of the spare (the one before)
         self._published: tuple[bytes, int, _Stamp] | None = None
         self._spare: tuple[bytes, int, _Stamp] | None = None
+        self._syncing: Future[None] | None = None  # the last append save's folder fsyncs
+        self._syncer: ThreadPoolExecutor | None = None
+
+    def flush(self) -> None:
+        """Wait until the last save's renames are durable (raises what its fsyncs raised)."""
+        syncing, self._syncing = self._syncing, None
+        if syncing is not None:
+            syncing.result()
+
+    def _sync_folders(self, background: bool) -> None:
+        folders = list(dict.fromkeys(p.parent for p in (self.path, *self.copies)))
+        if not background:
+            _sync_dirs(folders)
+            return
+        if self._syncer is None:  # its thread is joined at interpreter exit: no sync is lost
+            self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
+        self._syncing = self._syncer.submit(_sync_dirs, folders)
 
     def save(
         self, head: bytes, n: int, body: Callable[[int], list[bytes]], append: bool = False
     ) -> None:
         """Publish ``head`` followed by ``body(0)``; ``body(k)`` must give the chunks of the items
         from the k-th on (separators included) and the closing tail of two bytes."""
+        self.flush()  # the renames of the save before are durable before any file is written
         first = self.path
         spare, keep = (first.with_name(f".{first.name}.{x}") for x in ("spare", "keep"))
         old, self._spare, published, self._published = self._spare, None, self._published, None
@@ -187,6 +217,5 @@ class RecordWriter:
             os.link(first, tmp)
             os.replace(tmp, copy)
         # Durable renames before the file they replaced is written again as the spare.
-        for folder in dict.fromkeys(p.parent for p in (first, *self.copies)):
-            sync_dir(folder)
+        self._sync_folders(background=append)
         self._published, self._spare = (head, n, stamp), published if append else None

@@ -1,4 +1,8 @@
-"""The agent loop: plan -> tool call -> result -> world-state entry -> budget -> truncate -> plan."""
+"""The agent loop: plan -> tool call -> result -> world-state entry -> budget -> truncate -> plan.
+
+The prompt carries the world state as agent/context.py lays it out: the full rendering at the
+start and at each cut, and each entry's line beside its tool result in between.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ def run_loop(
     digest, failures, overflows = session.digest(), 0, 0
     while world.next_step <= max_steps:
         signals.check()  # a stop whose raise a finalizer swallowed ends the run here
-        messages = context.prompt(world.render(defaults=defaults))
+        messages = context.prompt(lambda: world.render(defaults=defaults))
         t0 = time.perf_counter()
         try:
             decision = policy.decide(messages, schemas, world)
@@ -91,10 +95,11 @@ def run_loop(
                 entry.checkpoint = session.after_step(
                     entry.step, outcome.tool, registry.spec(outcome.tool)
                 )
+            line = world.line(entry, defaults)  # the entry travels with its result
             if call_id is None:
-                context.add_user(NUDGE)
+                context.add_user(NUDGE, line)
             else:
-                context.add_result(call_id, outcome)
+                context.add_result(call_id, outcome, line)
             failures = 0 if outcome.ok else failures + 1
         world.save_record(layout, step=True)
         _report(layout, log, world, decision, context, think, outcomes)
@@ -134,6 +139,7 @@ def _report(
         "prompt_tokens": u.prompt_tokens if u else None,
         "completion_tokens": u.completion_tokens if u else None,
         "cached_tokens": u.cached_tokens if u else None,
+        "reasoning_tokens": u.reasoning_tokens if u else None,
         "calibration": round(context.counter.factor, 4),
         "time": time.time(),
         **context.last,

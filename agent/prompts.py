@@ -14,9 +14,10 @@ Rules:
   parameters; values outside a parameter's range are refused.
 - A tool error is information: read it, fix the call or do the missing step first. Do not repeat a
   failing call unchanged.
-- The WORLD STATE message at the end is the authoritative record of what has been done, with exact
-  parameters and results. Older tool results may be removed from the conversation to save space;
-  trust the world state for them.
+- The WORLD STATE at the start of the conversation and the record line that starts each tool
+  result after it ("#step tool(parameters) -> results") are together the authoritative record of
+  what has been done, with exact parameters. Older tool results may be removed from the
+  conversation to save space; the WORLD STATE is then written again: trust it for them.
 - Stop with finish when the analysis is complete.
 """
 

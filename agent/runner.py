@@ -4,6 +4,7 @@ config from its options. The record (world state) and metrics are written as the
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import platform
 import stat
@@ -11,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+import orjson
 from pydantic import ValidationError
 
 from agent.config import LOAD_OPTIONS, RunConfig
@@ -124,6 +126,9 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
         policy=config.policy,
         model=None,
         server_flags=None,
+        server=None,  # the policy's setup fills these three for a model it asks
+        sampling=None,
+        prompt_digest=None,
         seed=config.seed,
         versions=versions(),
         digest_version=DIGEST_VERSION,
@@ -147,9 +152,11 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
             SYSTEM_PROMPT,
             registry.schemas(),
             meta["context_limit"],
-            completion_reserve=config.max_tokens,
+            completion_reserve=setup.max_tokens,
             counter=TokenCounter(tokenizer_estimate(setup.tokenizer)),
         )
+        if config.policy == "llm":  # the only policy that is told anything
+            meta["prompt_digest"] = prompt_digest(context.system_prompt, context.tools)
         context.add_user(BRIEF.format(sample=sample, input=config.input.name, brief=_brief(config)))
         session = Session(layout.root, seed=config.seed, input_path=config.input)
         if world.entries:
@@ -188,6 +195,14 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
         meta["error"] = f"run ended without finish ({status}); last error: {last_error}"
     world.save_record(layout)
     return status
+
+
+def prompt_digest(system_prompt: str, tools: list[dict[str, Any]]) -> str:
+    """sha256 of what a model is told before any data: the system prompt and the tool schemas,
+    in the order sent (key order included: the chat template renders them as given), so two
+    records show at a glance whether their models read the same instructions."""
+    sent = orjson.dumps({"system": system_prompt, "tools": tools})
+    return hashlib.sha256(sent).hexdigest()
 
 
 def _brief(config: RunConfig) -> str:

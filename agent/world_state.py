@@ -1,8 +1,9 @@
 """The world state: the exact record of every finished tool call, and its prompt rendering.
 
-The artifact (world_state.json) keeps every entry whole. The rendering for the prompt is never
-truncated by the context manager; it stays small by compacting older entries instead: recent
-calls in full, older ones one line per tool (latest call, how many times), older errors counted.
+The artifact (world_state.json) keeps every entry whole. The prompt carries it as a full compact
+rendering (``render``: recent calls as their lines, older ones one line per tool, older errors as
+steps), written at the start and after each cut of the history, and then one line per entry
+(``line``) beside the entry's tool result (agent/context.py); nothing of it is truncated.
 
 Each saved entry carries ``chain``, a hash over the previous entry's chain and its own content, and
 a record saved with a final status carries ``meta.seal``, a hash over the last chain and meta: an
@@ -24,6 +25,8 @@ from agent.layout import SampleLayout
 from agent.registry import Outcome
 
 SCHEMA_VERSION = 1
+HEADER = "WORLD STATE:"  # the full rendering's first words
+LINE_WIDTH = 160  # characters of an entry's line
 _OPTS = orjson.OPT_SERIALIZE_NUMPY
 _ENTRY_KEYS = (
     "step", "tool", "params", "status", "result", "error", "seconds", "digest_before",
@@ -114,6 +117,10 @@ class WorldState:
     entries: list[Entry] = field(default_factory=list)
     _encoded: list[bytes] = field(default_factory=list, repr=False, compare=False)
     _writer: RecordWriter | None = field(default=None, repr=False, compare=False)
+    # the rendering's fold of the older entries: how many, latest ok per tool (x calls), errors
+    _folded: int = field(default=0, repr=False, compare=False)
+    _latest: dict[str, tuple[Entry, int]] = field(default_factory=dict, repr=False, compare=False)
+    _errors: list[str] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def next_step(self) -> int:
@@ -128,44 +135,56 @@ class WorldState:
             (e for e in reversed(self.entries) if e.tool == tool and e.status == "ok"), None
         )
 
+    def line(self, e: Entry, defaults: dict[str, dict[str, Any]] | None = None) -> str:
+        """One entry as one short line, the same in the full rendering and beside the entry's tool
+        result in the prompt: ``#step tool(params) -> numbers`` (or ``-> ERROR why``), parameters
+        left at their ``defaults`` (per tool) hidden."""
+        if e.rejected_arguments is not None:  # what was sent, so the model sees its mistake
+            shown = _short(e.rejected_arguments, 60)
+        else:
+            left_out = (defaults or {}).get(e.tool, {})
+            shown = _kv({k: v for k, v in e.params.items() if left_out.get(k, object()) != v}, 16)
+        if e.status == "ok":
+            outcome = _kv(e.result, 10, numbers_only=True, limit=6) or "ok"
+        else:
+            outcome = f"ERROR {e.error}"
+        text = " ".join(f"#{e.step} {e.tool}({shown}) -> {outcome}".split())  # one line
+        return text if len(text) <= LINE_WIDTH else text[: LINE_WIDTH - 1] + "…"
+
     def render(self, recent: int = 3, defaults: dict[str, dict[str, Any]] | None = None) -> str:
-        """Compact text for the prompt. `defaults` (per tool) hides parameters left at default.
+        """The full compact rendering for the prompt. ``defaults`` (per tool) hides parameters
+        left at default.
 
-        The latest calls appear whole (results cut at a few hundred characters); older ones one
-        line per tool (its latest successful call, its numbers, how many calls), older errors
-        as a list of steps: under 1,000 tokens for a 60-step analysis.
+        The latest calls appear as their lines; older ones one line per tool (its latest
+        successful call and how many calls), older errors as a list of steps: under 1,000 tokens
+        for a 60-step analysis. Incremental: the older part is kept folded, so a rendering costs
+        the entries added since the one before plus one line per tool, not a scan of them all.
         """
-        defaults = defaults or {}
-
-        def params(e: Entry) -> str:
-            left_out = defaults.get(e.tool, {})
-            if e.rejected_arguments is not None:  # what was sent, so the model sees its mistake
-                return _short(e.rejected_arguments, 60)
-            shown = {k: v for k, v in e.params.items() if left_out.get(k, object()) != v}
-            return _kv(shown, 16)
-
         cut = max(len(self.entries) - recent, 0)
-        old, new = self.entries[:cut], self.entries[cut:]
-        lines = [f"WORLD STATE: {len(self.entries)} tool calls done (authoritative record)."]
-        latest: dict[str, tuple[Entry, int]] = {}
-        for e in old:
-            if e.status == "ok":
-                latest[e.tool] = (e, latest.get(e.tool, (e, 0))[1] + 1)
-        if latest:
+        self._fold(cut)
+        lines = [f"{HEADER} {len(self.entries)} tool calls done (authoritative record)."]
+        if self._latest:
             lines.append("Earlier (latest successful call per tool):")
-        for e, n in sorted(latest.values(), key=lambda t: t[0].step):
-            times = f" x{n}" if n > 1 else ""
-            numbers = _kv(e.result, 10, numbers_only=True, limit=4)
-            lines.append(f"#{e.step} {e.tool}({params(e)}){times} -> {numbers}"[:120])
-        errors = [str(e.step) for e in old if e.status == "error"]
-        if errors:
-            lines.append(f"Earlier errors at steps {', '.join(errors[-8:])} (see record).")
-        if new:
+        for e, n in sorted(self._latest.values(), key=lambda t: t[0].step):
+            lines.append(self.line(e, defaults) + (f" ({n} calls)" if n > 1 else ""))
+        if self._errors:
+            lines.append(f"Earlier errors at steps {', '.join(self._errors[-8:])} (see record).")
+        if cut < len(self.entries):
             lines.append("Latest:")
-        for e in new:
-            outcome = _kv(e.result, 40)[:240] if e.status == "ok" else f"ERROR {e.error}"[:240]
-            lines.append(f"#{e.step} {e.tool}({params(e)}) -> {outcome}")
+        lines += [self.line(e, defaults) for e in self.entries[cut:]]
         return "\n".join(lines)
+
+    def _fold(self, cut: int) -> None:
+        """Fold entries[:cut] into the per-tool summary (only those not folded yet). Entries are
+        only ever appended, so what is folded stays true; a list rebuilt from scratch folds anew."""
+        if cut < self._folded:
+            self._folded, self._latest, self._errors = 0, {}, []
+        for e in self.entries[self._folded : cut]:
+            if e.status == "ok":
+                self._latest[e.tool] = (e, self._latest.get(e.tool, (e, 0))[1] + 1)
+            elif e.status == "error":
+                self._errors.append(str(e.step))
+        self._folded = max(self._folded, cut)
 
     def _head(self) -> bytes:
         """Schema version and meta, sealed anew when the status is final. Not while running:
@@ -203,6 +222,8 @@ class WorldState:
         (``step=True``, the loop's) appends only the entries added since the save before."""
         paths = (layout.record, (layout.record_copy,))
         if self._writer is None or (self._writer.path, self._writer.copies) != paths:
+            if self._writer is not None:
+                self._writer.flush()
             self._writer = RecordWriter(*paths)
         self._writer.save(self._head(), len(self.entries), self._chunks, append=step)
 

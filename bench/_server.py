@@ -2,7 +2,10 @@
 
 The model is the tiny random-weight Qwen3-style model of agent/testing/tiny_model.py unless a model
 directory is given: its text is noise, but token counts, prefix caching and prefill costs are the
-server's real ones. The server runs with ``VLLM_SERVER_DEV_MODE=1`` so that a benchmark can empty
+server's real ones. Its tokenizer is trained on a synthetic corpus of the agent's own words and
+compresses the prompts far better than a real model's; ``broad_model`` builds the same model with a
+byte-level BPE of a real model's vocabulary size trained on a broad corpus that ships on the
+machine (``BROAD_CORPUS``), whose compression of the prompts is close to a real model's. The server runs with ``VLLM_SERVER_DEV_MODE=1`` so that a benchmark can empty
 the prefix cache between arms (``POST /reset_prefix_cache``) and compare them from the same start.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import shlex
 import signal
 import subprocess
@@ -18,8 +22,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import openai
+import orjson
 
 from agent.endpoint import Endpoint, http_json, read_endpoint, root_url
 from agent.policies.llm import LLMPolicy
@@ -104,10 +110,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def serve_from_args(args: argparse.Namespace, workdir: Path, agents: int = 4):
+def serve_from_args(
+    args: argparse.Namespace, workdir: Path, agents: int = 4, built: Path | None = None
+):
+    """The server the options ask for; ``built``: a random-weight model built here, served
+    unless --model names another."""
     return serve(
         workdir,
-        args.model,
+        args.model or built,
+        random_weights=args.model is None,
         max_model_len=args.max_model_len,
         agents=agents,
         serve_args=tuple(shlex.split(args.serve_args)),
@@ -124,6 +135,70 @@ def tiny_model(workdir: Path) -> Path:
     return target if (target / "config.json").exists() else build_tiny_model(target)
 
 
+# (what, folder, file pattern): text and JSON that Debian and PyPI packages install here
+BROAD_CORPUS = (
+    (
+        "Python standard library sources (Debian libpython3.11-stdlib)",
+        "/usr/lib/python3.11",
+        "*.py",
+    ),
+    (
+        "package documentation (/usr/share/doc: READMEs, changelogs, licences)",
+        "/usr/share/doc",
+        "*",
+    ),
+    ("JSON files of the environment's packages (schemas, configs)", sys.prefix, "*.json"),
+)
+CORPUS_BYTES = 12 << 20  # of each source: the BPE's merges settle well before this
+BROAD_VOCAB = 32768  # as Llama 2 / Mistral; Qwen's and Llama 3's are larger (compress better)
+
+
+def broad_corpus(per_source: int = CORPUS_BYTES) -> Iterator[str]:
+    """The texts of BROAD_CORPUS in a fixed order, up to ``per_source`` bytes of each (gzipped
+    files read whole, files that are not UTF-8 text skipped)."""
+    for _what, folder, pattern in BROAD_CORPUS:
+        left = per_source
+        for path in sorted(Path(folder).rglob(pattern)):
+            if left <= 0:
+                break
+            if not path.is_file() or path.is_symlink():
+                continue
+            try:
+                data = path.read_bytes()
+                text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode()
+            except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile):
+                continue
+            left -= len(text)
+            yield text
+
+
+def broad_model(workdir: Path, vocab_size: int = BROAD_VOCAB) -> Path:
+    """The tiny model's Qwen3 build with a ``vocab_size`` byte-level BPE trained on broad_corpus."""
+    from transformers.utils import logging as hf_logging
+
+    from agent.testing import tiny_model
+
+    hf_logging.disable_progress_bar()
+    target = workdir / f"tiny-qwen3-broad{vocab_size}"
+    if (target / "config.json").exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    texts = list(broad_corpus())
+    with mock.patch.object(tiny_model, "corpus", lambda: texts):  # its builder, another corpus
+        vocab, ids = tiny_model.build_tokenizer(target, tiny_model.FAMILIES["qwen3"], vocab_size)
+    import torch
+
+    config, model_class = tiny_model._model_config(tiny_model.FAMILIES["qwen3"], vocab, ids)
+    torch.manual_seed(tiny_model.SEED)
+    model_class(config).to(torch.bfloat16).save_pretrained(target, safe_serialization=True)
+    (target / "generation_config.json").write_text(
+        orjson.dumps(
+            {"eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id}
+        ).decode()
+    )
+    return target
+
+
 @contextlib.contextmanager
 def serve(
     workdir: Path,
@@ -133,14 +208,21 @@ def serve(
     agents: int = 4,
     serve_args: tuple[str, ...] = (),
     timeout_s: float = 900.0,
+    random_weights: bool | None = None,
 ) -> Iterator[Server]:
-    """Start ``python -m agent serve`` (cpu unless ``serve_args`` say otherwise); stop it on exit."""
+    """Start ``python -m agent serve`` (cpu unless ``serve_args`` say otherwise); stop it on exit.
+
+    A random-weight model (the tiny one when ``model`` is None) is served without a reasoning
+    parser: its noise never closes a thinking block, so the parser would take every reply for
+    thinking, and the agent's policy would double its completion budget after each one."""
+    random_weights = model is None if random_weights is None else random_weights
     model = Path(model) if model else tiny_model(workdir)
     args = [
         *("--model", str(model), "--served-model-name", SERVED_NAME),
         *("--agents", str(agents), "--timeout", str(timeout_s)),
         *(("--max-model-len", str(max_model_len)) if max_model_len else ()),
         *(() if "--gpu" in serve_args else ("--gpu", "cpu")),
+        *(("--override", "reasoning_parser=none") if random_weights else ()),
         *serve_args,
     ]
     # SIGTERM (a batch system's stop) must also run the `finally` below, which stops the server

@@ -100,6 +100,8 @@ class ScriptedServer:
         self._previous = text
         step = self.script.pop(0) if self.script else {"text": "nothing scripted"}
         message: dict[str, Any] = {"role": "assistant", "content": step.get("text")}
+        if "reasoning" in step:  # as vLLM's reasoning parser answers
+            message["reasoning"] = step["reasoning"]
         if "tool" in step:
             message["tool_calls"] = [
                 {
@@ -117,7 +119,7 @@ class ScriptedServer:
                 {
                     "index": 0,
                     "message": message,
-                    "finish_reason": "tool_calls" if "tool" in step else "stop",
+                    "finish_reason": step.get("finish", "tool_calls" if "tool" in step else "stop"),
                 }
             ],
             "usage": {

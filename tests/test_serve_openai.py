@@ -119,6 +119,9 @@ def _calls(vllm_server, tool_choice, n: int) -> tuple[list, int]:
             max_tokens=160,
             temperature=1.0,
             seed=seed,
+            # the qwen3 family thinks first (--reasoning-parser qwen3): a random model's thought
+            # never ends within 160 tokens, so the call is asked for without thinking
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
         )
         got = r.choices[0].message.tool_calls or []
         calls += got

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_workflow import REPO, WorkflowDir, check_cohort_outputs
+from tests.fixtures_workflow import REPO, StandinHub, WorkflowDir, check_cohort_outputs
 
 
 def job_counts(output: str) -> dict[str, int]:
@@ -110,6 +110,11 @@ def test_vllm_mode_shards_llm_samples_into_server_groups(workflow_dir: WorkflowD
         "--endpoint-file results/servers/shard002.json" in c and "--agents 1" in c for c in serve
     )
     assert all("--agents" in c and "--gpus 1" in c and "--timeout 1800" in c for c in serve)
+    # the Hub id at its revision, offline, and one compile cache for every shard
+    cache = workflow_dir.path / "results" / "vllm_cache"
+    assert all("--model Qwen/Qwen3.6-27B --revision main " in c for c in serve)
+    assert all(f"--cache-dir {cache}" in c and "exec env HF_HUB_OFFLINE=1 " in c for c in serve)
+    assert "fetch_model" not in job_counts(out.stdout)  # only when asked
     assert "gres=gpu:h100:1" in out.stdout and "gpu=1," not in out.stdout  # typed gres replaces gpu
     analyze = {
         re.search(r"--sample (\S+)", c).group(1): c for c in shell_commands(out.stdout, "analyze")
@@ -118,6 +123,95 @@ def test_vllm_mode_shards_llm_samples_into_server_groups(workflow_dir: WorkflowD
     assert "--outage-wait 900" in analyze["s3"]  # server.outage_wait reaches the agent
     assert "until test -s results/servers/shard001.json" in analyze["s3"]  # waits for health
     assert "--policy reference" in analyze["ref"] and "results/servers" not in analyze["ref"]
+
+
+def test_fetch_model_fills_the_hf_cache_before_the_first_server_only_when_asked(
+    workflow_dir: WorkflowDir, inputs: Path
+):
+    """server.fetch: one fetch_model job (a localrule) before the servers, which read the same
+    HF_HOME offline; without it, `snakemake fetch_model` plans that job alone."""
+    workflow_dir.write_sheet([{"sample": "a", "path": "inputs/a.h5ad", "policy": "llm"}])
+    workflow_dir.configure(
+        server={"mode": "vllm", "model": "google/gemma-4-31B-it", "revision": "v1.0",
+                "hf_home": "shared/hf", "cache_dir": "", "fetch": True},
+    )  # fmt: skip
+    out = workflow_dir.snakemake("-n", "-p", "--cores", "4")
+    assert out.returncode == 0, out.stdout
+    assert job_counts(out.stdout)["fetch_model"] == 1
+    marker = "results/models/google_gemma-4-31B-it_v1.0.json"
+    assert f"rule fetch_model:\n    output: {marker}" in out.stdout
+    assert f"Input files updated by another job: {marker}" in out.stdout  # serve_vllm waits
+    localrules = (REPO / "Snakefile").read_text().split("localrules:", 1)[1].split("\n\n")[0]
+    assert "fetch_model," in localrules  # the login node runs it (compute nodes: no internet)
+    (serve,) = shell_commands(out.stdout, "serve_vllm")
+    hf_home = workflow_dir.path / "shared" / "hf"  # absolute: the same folder on every node
+    assert f"exec env HF_HOME={hf_home} HF_HUB_OFFLINE=1 " in serve
+    assert "--model google/gemma-4-31B-it --revision v1.0 " in serve
+    assert "--cache-dir" not in serve  # "": vLLM's own default
+
+    workflow_dir.configure(server={"fetch": False})
+    out = workflow_dir.snakemake("-n", "fetch_model")
+    assert out.returncode == 0, out.stdout
+    assert job_counts(out.stdout) == {"fetch_model": 1}
+
+    (inputs / "model").mkdir()  # a folder has nothing to fetch
+    workflow_dir.configure(server={"fetch": True, "model": "inputs/model"})
+    out = workflow_dir.snakemake("-n")
+    assert out.returncode != 0
+    assert "config server.fetch: server.model 'inputs/model' is a folder" in out.stdout
+
+
+def test_fetch_model_downloads_what_the_server_then_finds_offline(workflow_dir: WorkflowDir):
+    """`snakemake fetch_model` for real (the rule, its script, huggingface_hub over HTTP from a
+    stand-in Hub) fills server.hf_home; then, with no Hub at all, the launcher resolves the Hub
+    id from that cache offline, as a serve job does, to the commit fetch_model recorded."""
+    config = (REPO / "tests" / "data" / "model_configs" / "qwen3.6-27b.json").read_bytes()
+    hub = StandinHub("Qwen/Qwen3.6-27B", {"config.json": config, "model.safetensors": b"w"})
+    workflow_dir.configure(server={"model": "Qwen/Qwen3.6-27B", "hf_home": "hf"})
+    try:  # HF_HUB_OFFLINE from the environment too: the fetch job is the one asked to download
+        out = workflow_dir.snakemake(
+            "--cores", "1", "fetch_model", env={"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "1"}
+        )
+    finally:
+        hub.close()
+    log = workflow_dir.path / "logs" / "fetch_model.log"
+    assert out.returncode == 0, out.stdout + (log.read_text() if log.exists() else "")
+    assert any("/resolve/" in r for r in hub.requests)
+    fetched = json.loads(
+        (workflow_dir.path / "results/models/Qwen_Qwen3.6-27B_main.json").read_text()
+    )
+    snapshot = workflow_dir.path / "hf/hub/models--Qwen--Qwen3.6-27B/snapshots" / hub.commit
+    assert fetched["commit"] == hub.commit and Path(fetched["path"]) == snapshot
+    assert (snapshot / "config.json").read_bytes() == config
+    assert f"(commit {hub.commit})" in log.read_text()
+
+    env = {**os.environ, "HF_HOME": str(workflow_dir.path / "hf"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_ENDPOINT", None)
+    served = subprocess.run(
+        [sys.executable, "-m", "agent", "serve", "--explain", "--gpu", "cpu",
+         "--model", "Qwen/Qwen3.6-27B", "--revision", "main"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert served.returncode == 0, served.stderr
+    assert hub.commit in served.stdout, served.stdout
+
+
+def test_the_cluster_example_serves_a_hub_id(workflow_dir: WorkflowDir):
+    """config/cluster.example.yaml over the defaults: one server per 8 samples, started from the
+    Hub id it names, offline, with the shared compile cache."""
+    import yaml
+
+    example = yaml.safe_load((REPO / "config" / "cluster.example.yaml").read_text())
+    example.pop("samples")  # the demo sheet, copied into the working directory
+    workflow_dir.configure(**example)
+    out = workflow_dir.snakemake("-n", "-p", "--cores", "32")
+    assert out.returncode == 0, out.stdout
+    assert job_counts(out.stdout)["serve_vllm"] == 1
+    (serve,) = shell_commands(out.stdout, "serve_vllm")
+    assert f"--model {example['server']['model']} --revision main " in serve
+    assert "/" in example["server"]["model"] and not (REPO / example["server"]["model"]).exists()
+    assert "HF_HUB_OFFLINE=1" in serve and "--max-model-len 32768" in serve
+    assert f"--cache-dir {workflow_dir.path / 'results' / 'vllm_cache'}" in serve
 
 
 def test_external_mode_passes_the_given_endpoint(workflow_dir: WorkflowDir, inputs: Path):
@@ -132,7 +226,7 @@ def test_external_mode_passes_the_given_endpoint(workflow_dir: WorkflowDir, inpu
     assert out.returncode == 0, out.stdout
     assert "serve_vllm" not in job_counts(out.stdout)
     (cmd,) = shell_commands(out.stdout, "analyze")
-    assert f"--base-url http://node7:8000/v1 --model Qwen/Qwen3-8B --api-key-file {key}" in cmd
+    assert f"--base-url http://node7:8000/v1 --model Qwen/Qwen3.6-27B --api-key-file {key}" in cmd
 
     key.chmod(0o644)  # refused at parse time, as the agent would refuse it at job time
     out = workflow_dir.snakemake("-n")
@@ -301,8 +395,12 @@ def test_adding_a_sample_analyses_only_it_and_restarts_no_finished_shard(
     assert "serve_vllm:shard=shard001" in second.stdout or "shard=shard001" in second.stdout
     assert "shard=shard000" not in second.stdout
     assert (workflow_dir.path / records["a"]).read_bytes() == record_a
-    assert (
-        json.loads((workflow_dir.path / records["b"]).read_text())["meta"]["status"] == "finished"
+    meta = json.loads((workflow_dir.path / records["b"]).read_text())["meta"]
+    assert meta["status"] == "finished"
+    # the model the config named reached the record through the server's endpoint file
+    assert meta["server"]["model_id"] == "Qwen/Qwen3.6-27B"
+    assert meta["server"]["revision"] == "main" and re.fullmatch(
+        "[0-9a-f]{64}", meta["prompt_digest"]
     )
 
 

@@ -69,3 +69,30 @@ def test_a_record_made_before_the_chain_is_noted_not_failed(tmp_path):
     assert [(p.step, p.what) for p in problems] == [
         (2, "step 2 is missing (step 1 is followed by step 3)")
     ]
+
+
+def test_rendering_folded_step_by_step_is_the_rendering_from_scratch():
+    """The rendering keeps its fold of older entries from call to call; after every step it is
+    the one a fresh object renders from the same entries."""
+    world = WorldState()
+    tools = ["qc", "pca", "leiden", "qc", "plot"]
+    for step in range(1, 40):
+        ok = step % 6 != 0
+        world.add(
+            Entry(
+                tool=tools[step % 5], params={"n": step % 4}, status="ok" if ok else "error",
+                result={"n": step} if ok else None, error=None if ok else f"bad {step}",
+                seconds=0.1, step=step, digest_before=None, digest_after=None,
+            )
+        )  # fmt: skip
+        fresh = WorldState(entries=list(world.entries))
+        assert world.render() == fresh.render(), step
+        assert world.render(recent=5) == fresh.render(recent=5)  # fewer folded: folded anew
+    text = world.render()
+    assert (
+        "\n#35 qc(n=3) -> n=35 (12 calls)\n" in text and "at steps 6, 12, 18, 24, 30, 36 " in text
+    )
+    assert text.endswith(
+        "Latest:\n#37 leiden(n=1) -> n=37\n#38 qc(n=2) -> n=38\n#39 plot(n=3) -> n=39"
+    )
+    assert world.line(world.entries[35]) == "#36 pca(n=0) -> ERROR bad 36"

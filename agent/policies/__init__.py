@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.config import RunConfig
-from agent.policies.base import Policy
+from agent.policies.base import DEFAULT_MAX_TOKENS, Policy
 from agent.registry import ToolRegistry
 
 
@@ -17,7 +17,8 @@ class PolicySetup:
     policy: Policy
     context_limit: int | None = None  # the server's max_model_len, when it tells one
     tokenizer: str | None = None  # where the model's tokenizer lies, when on this file system
-    meta: dict[str, Any] = field(default_factory=dict)  # model, server flags
+    meta: dict[str, Any] = field(default_factory=dict)  # model, server, flags, sampling
+    max_tokens: int = DEFAULT_MAX_TOKENS  # the completion budget a reply gets (context reserve)
 
 
 def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
@@ -36,10 +37,14 @@ def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
     from agent.policies.llm import LLMPolicy
 
     meta: dict[str, Any] = {}
+    family: dict[str, Any] = {}
     if config.endpoint_file:
         ep = read_endpoint(config.endpoint_file)
         url, model, key = ep.url, ep.model, ep.api_key
         meta["server_flags"] = ep.flags
+        meta["server"] = {k: ep.info[k] for k in SERVER_FIELDS if ep.info.get(k) is not None}
+        # absent from older endpoint files: then today's defaults (greedy, 1024, no switch)
+        family = ep.info.get("family") or {}
         tokenizer = config.tokenizer or ep.info.get("model_path")
     else:
         url, model, tokenizer = config.base_url, config.model, config.tokenizer
@@ -61,9 +66,22 @@ def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
         timeout=config.request_timeout,
         max_retries=config.request_retries,
         seed=config.seed,
-        max_tokens=config.max_tokens,
+        max_tokens=config.max_tokens or family.get("max_tokens") or DEFAULT_MAX_TOKENS,
+        sampling=family.get("sampling"),
+        no_thinking=family.get("no_thinking"),
+        thinking_off=config.no_thinking,
         outage_wait=config.outage_wait,
         endpoint_file=config.endpoint_file,
         key_file=key_file,
     )
-    return PolicySetup(policy, policy.context_limit(), tokenizer, meta)
+    meta["sampling"] = {
+        **policy.sampling,
+        "max_tokens": policy.max_tokens,
+        "thinking": bool(family.get("thinking"))
+        and not (config.no_thinking and family.get("no_thinking")),
+    }
+    return PolicySetup(policy, policy.context_limit(), tokenizer, meta, policy.max_tokens)
+
+
+# what the record keeps of the endpoint file's `info` about the server (contract item 3)
+SERVER_FIELDS = ("vllm_version", "model_id", "revision", "family")

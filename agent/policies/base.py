@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from agent.world_state import WorldState
 
+DEFAULT_MAX_TOKENS = 1024  # a reply's budget when neither the run nor the model's family sets one
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -21,6 +23,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None = None
+    reasoning_tokens: int | None = None  # of completion_tokens, spent thinking (server's count)
 
 
 @dataclass
@@ -32,6 +35,9 @@ class Decision:
     # Waits for the decider (e.g. a server that died and came back), for the record's meta: the
     # loop writes them; a policy never edits the record itself.
     outages: list[dict[str, Any]] = field(default_factory=list)
+    # The model's thinking, kept apart: it never enters the history (the families' templates drop
+    # earlier thoughts), but a caller may look at it.
+    reasoning: str | None = None
 
 
 class PromptTooLong(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -11,11 +12,21 @@ from typing import Any, TextIO
 import openai
 
 from agent.endpoint import EndpointError, KeyRefused, describe, read_endpoint
-from agent.policies.base import Decision, PolicyUnavailable, PromptTooLong, ToolCall, Usage
+from agent.policies.base import (
+    DEFAULT_MAX_TOKENS,
+    Decision,
+    PolicyUnavailable,
+    PromptTooLong,
+    ToolCall,
+    Usage,
+)
 from agent.world_state import WorldState
 
 _TOO_LONG = re.compile(r"maximum context length|context length|too long", re.I)
 _TOKENS = re.compile(r"(\d+) (?:input )?tokens", re.I)
+# sampling fields the OpenAI client takes as keywords; the others go in extra_body
+_OPENAI_FIELDS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "seed"}
+_CONTEXT_SLACK = 512  # tokens a raised budget leaves free for the prompt's growth
 
 
 class ServerUnavailable(PolicyUnavailable):
@@ -38,9 +49,11 @@ class LLMPolicy:
         api_key: str = "EMPTY",
         timeout: float = 300.0,
         max_retries: int = 5,
-        temperature: float = 0.0,
-        max_tokens: int = 1024,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         seed: int = 0,
+        sampling: dict[str, Any] | None = None,
+        no_thinking: dict[str, Any] | None = None,
+        thinking_off: bool = False,
         tool_choice: str | dict[str, Any] = "auto",
         outage_wait: float = 600.0,
         endpoint_file: str | Path | None = None,
@@ -48,31 +61,67 @@ class LLMPolicy:
         extra_body: dict[str, Any] | None = None,
         log: TextIO = sys.stderr,
     ):
+        """``sampling``: the family's recommended settings (temperature, top_p, top_k, min_p,
+        presence_penalty...; greedy when not given); ``no_thinking``: the request fields that
+        switch the family's thinking off (None: it has no switch); ``thinking_off``: use that switch
+        from the first request; ``extra_body``: further
+        vLLM request fields, e.g. {"ignore_eos": true}."""
         self.client = openai.OpenAI(
             base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries
         )
         self.model = model
-        self.sampling: dict[str, Any] = {
-            "temperature": temperature,
-            "max_tokens": max_tokens,
-            "seed": seed,
-        }
-        if extra_body:  # vLLM's own sampling fields, e.g. {"top_k": 20}
-            self.sampling["extra_body"] = extra_body
+        self.sampling: dict[str, Any] = {"temperature": 0.0, **(sampling or {}), "seed": seed}
+        self.max_tokens = self.base_max_tokens = max_tokens
+        self.no_thinking = no_thinking
+        # on from the start when asked, else once a reply was cut while thinking at the largest
+        # budget
+        self.thinking_off = thinking_off
+        self.extra_body = dict(extra_body or {})
         self.tool_choice = tool_choice
         self.outage_wait = outage_wait
         self.endpoint_file = Path(endpoint_file) if endpoint_file else None
         self.key_file = key_file  # where api_key came from, for the refusal's message
         self.log = log
+        self._limit: int | None = None  # the server's context length, once asked
 
     def context_limit(self) -> int | None:
         """The server's max_model_len (vLLM lists it with the model), if it says."""
         for m in self.client.models.list().data:
             if m.id == self.model:
-                return getattr(m, "max_model_len", None) or (m.model_extra or {}).get(
+                self._limit = getattr(m, "max_model_len", None) or (m.model_extra or {}).get(
                     "max_model_len"
                 )
+                return self._limit
         return None
+
+    def request_settings(self, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The sampling fields of the next request: the OpenAI ones as keywords, vLLM's own
+        (top_k, min_p, chat_template_kwargs...) in ``extra_body``."""
+        settings: dict[str, Any] = {"max_tokens": self.max_tokens}
+        body = _merge(self.extra_body, extra_body or {})
+        for key, value in self.sampling.items():
+            if key in _OPENAI_FIELDS:
+                settings[key] = value
+            else:
+                body[key] = value
+        if self.thinking_off and self.no_thinking:
+            body = _merge(body, self.no_thinking)
+        if body:
+            settings["extra_body"] = body
+        return settings
+
+    def _recover_from_cut(self, prompt_tokens: int) -> str:
+        """After a reply cut while thinking: the next request gets twice the completion budget
+        (as far as the context leaves room for), else the family's no-thinking switch; says which.
+        Never more than that: a reply cut again without thinking is an ordinary failed step."""
+        room = self._limit - prompt_tokens - _CONTEXT_SLACK if self._limit else 2 * self.max_tokens
+        if min(2 * self.max_tokens, room) > self.max_tokens:
+            self.max_tokens = min(2 * self.max_tokens, room)
+            return f"next request: max_tokens {self.max_tokens}"
+        if self.no_thinking and not self.thinking_off:
+            self.thinking_off = True
+            return f"next request: thinking off ({json.dumps(self.no_thinking)})"
+        return "no larger budget fits the context and thinking cannot be switched off"
 
     def _follow_endpoint(self) -> bool:
         """Point the client at the server the endpoint file names now (a restart moves it and
@@ -146,7 +195,11 @@ class LLMPolicy:
         ) from error
 
     def _complete(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], follow: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        extra_body: dict[str, Any] | None = None,
+        follow: bool = True,
     ) -> Any:
         try:
             return self.client.chat.completions.create(
@@ -154,30 +207,41 @@ class LLMPolicy:
                 messages=messages,
                 tools=tools,
                 tool_choice=self.tool_choice,
-                **self.sampling,
+                **self.request_settings(extra_body),
             )
         except openai.BadRequestError as e:
             if _TOO_LONG.search(str(e)):
                 counts = [int(n) for n in _TOKENS.findall(str(e))]
+                if self.max_tokens > self.base_max_tokens:
+                    # a budget raised after a cut no longer fits beside the grown prompt: the
+                    # context manager reserves only the base budget, so give the rest back
+                    self.max_tokens = self.base_max_tokens
+                    return self._complete(messages, tools, extra_body, follow)
                 raise PromptTooLong(str(e), max(counts) if counts else None) from e
             raise
         except (openai.AuthenticationError, openai.PermissionDeniedError) as e:
             # a restarted server writes its new key to the endpoint file: follow that once
             if follow and self._follow_endpoint():
-                return self._complete(messages, tools, follow=False)
+                return self._complete(messages, tools, extra_body, follow=False)
             raise self._refused(e, "chat request") from e
 
     def decide(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], world: WorldState
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        world: WorldState,
+        extra_body: dict[str, Any] | None = None,
     ) -> Decision:
+        """The next call(s). ``extra_body``: fields for this request only (e.g. a structured-
+        outputs constraint)."""
         outages = []
         try:
-            resp = self._complete(messages, tools)
+            resp = self._complete(messages, tools, extra_body)
         except (openai.APIConnectionError, openai.InternalServerError) as e:
             # a dead or stalled server: wait, then one more try
             outages.append(self._wait_for_server(e, world))
             try:
-                resp = self._complete(messages, tools)
+                resp = self._complete(messages, tools, extra_body)
             except (openai.APIConnectionError, openai.InternalServerError) as again:
                 raise ServerUnavailable(
                     f"server {self.client.base_url} answered its health check but failed the "
@@ -185,17 +249,49 @@ class LLMPolicy:
                     outages,
                 ) from again
         choice = resp.choices[0]
+        message = choice.message
         calls = [
             ToolCall(
                 c.id or f"call-{world.next_step}-{i}", c.function.name, c.function.arguments or ""
             )
-            for i, c in enumerate(choice.message.tool_calls or [])
+            for i, c in enumerate(message.tool_calls or [])
         ]
-        u = resp.usage
-        details = getattr(u, "prompt_tokens_details", None) if u else None
-        usage = (
-            Usage(u.prompt_tokens, u.completion_tokens, getattr(details, "cached_tokens", None))
-            if u
-            else None
-        )
-        return Decision(calls, choice.message.content, usage, choice.finish_reason, outages)
+        # vLLM's reasoning parser puts the thinking in `reasoning` (`reasoning_content` in
+        # older servers), apart from the content that enters the history
+        extra = message.model_extra or {}
+        reasoning = extra.get("reasoning") or extra.get("reasoning_content")
+        usage = _usage(resp.usage)
+        finish = choice.finish_reason
+        if finish == "length" and not calls and reasoning:
+            spent = f"at max_tokens {self.max_tokens}"
+            if usage and usage.reasoning_tokens:
+                spent = f"{usage.reasoning_tokens} reasoning tokens, {spent}"
+            plan = self._recover_from_cut(usage.prompt_tokens if usage else 0)
+            # the loop records a reply without a call with its finish_reason: this says why
+            finish = f"length: cut while thinking ({spent}); {plan}"
+            print(f"step {world.next_step}: reply {finish}", file=self.log, flush=True)
+        return Decision(calls, message.content, usage, finish, outages, reasoning)
+
+
+def _usage(u: Any) -> Usage | None:
+    if u is None:
+        return None
+    prompt = getattr(u, "prompt_tokens_details", None)
+    completion = getattr(u, "completion_tokens_details", None)
+    return Usage(
+        u.prompt_tokens,
+        u.completion_tokens,
+        getattr(prompt, "cached_tokens", None),
+        getattr(completion, "reasoning_tokens", None),
+    )
+
+
+def _merge(base: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """``base`` updated by ``more``, one level deep (chat_template_kwargs from both survive)."""
+    merged = dict(base)
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged

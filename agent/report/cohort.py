@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pandas as pd
 
-from agent.report.collect import Sample, seconds_between
+from agent.report.collect import MODEL_PROVENANCE, Sample, seconds_between
 from agent.tools import tool_specs
 
 # Tools that leave the data as they were: their parameters are bookkeeping (file names, prose),
@@ -16,9 +16,9 @@ NOT_CHOICES = frozenset(name for name, spec in tool_specs().items() if not spec.
 CELL_FILTERS = tuple(name for name, spec in tool_specs().items() if spec.kind == "cell_filter")
 OUTCOME_COLUMNS = (
     "sample", "status", "error", "drift", "outliers", "input", "input_sha256", "policy", "model",
-    "server_flags", "seed", "steps", "errors", "iterations", "seconds", "decide_seconds",
-    "tool_seconds", "prompt_tokens", "completion_tokens", "cached_tokens", "cached_ratio",
-    "truncations", "cells_before", "genes_before", "cells_after", "genes_after",
+    *MODEL_PROVENANCE, "server_flags", "seed", "steps", "errors", "iterations", "seconds",
+    "decide_seconds", "tool_seconds", "prompt_tokens", "completion_tokens", "cached_tokens",
+    "cached_ratio", "truncations", "reprefilled_tokens", "cells_before", "genes_before", "cells_after", "genes_after",
     "cells_kept_fraction", "cells_removed_qc", "doublets_removed", "clusters", "labels",
     "replay", "ari", "doublet_recall", "damaged_removed", "planted_types",
 )  # fmt: skip
@@ -74,6 +74,7 @@ def _run_row(sample: Sample) -> dict[str, Any]:
         "input_sha256": meta.get("input_sha256"),
         "policy": meta.get("policy"),
         "model": meta.get("model"),
+        **sample.model_provenance,
         "server_flags": orjson.dumps(flags).decode() if flags else None,
         "seed": meta.get("seed"),
         "steps": len(sample.entries) if sample.world else None,
@@ -87,6 +88,8 @@ def _run_row(sample: Sample) -> dict[str, Any]:
         "cached_tokens": cached,
         "cached_ratio": round(cached / prompt, 4) if prompt and cached is not None else None,
         "truncations": truncations,
+        # what the cuts cost: tokens prefilled again after each cut of the history
+        "reprefilled_tokens": _total([r.get("reprefilled_tokens") for r in rows]),
         "replay": (sample.replay or {}).get("verdict", "not replayed"),
     }
 

@@ -23,6 +23,8 @@ from agent.world_state import Entry, WorldState
 
 TRUTH_FILE = "truth.tsv"
 CLUSTER_KEY = "leiden"
+# What the model was and what it was told, as the report names it (Sample.model_provenance).
+MODEL_PROVENANCE = ("model_id", "revision", "vllm_version", "family", "sampling", "prompt_digest")
 
 
 @dataclass
@@ -49,6 +51,23 @@ class Sample:
     @property
     def entries(self) -> list[Entry]:
         return self.world.entries if self.world else []
+
+    @property
+    def model_provenance(self) -> dict[str, Any]:
+        """MODEL_PROVENANCE -> value, None where the record does not say: the reference and
+        replay policies ask no model, an external server has no endpoint file, and records
+        made before these fields have none of them."""
+        meta = self.meta
+        server = meta.get("server") if isinstance(meta.get("server"), dict) else {}
+        family = server.get("family")
+        return {
+            "model_id": server.get("model_id"),
+            "revision": server.get("revision"),
+            "vllm_version": server.get("vllm_version"),
+            "family": family.get("name") if isinstance(family, dict) else family,
+            "sampling": meta.get("sampling"),
+            "prompt_digest": meta.get("prompt_digest"),
+        }
 
     @property
     def failed(self) -> bool:

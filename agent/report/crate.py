@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import orjson
 from rocrate.model.contextentity import ContextEntity
 from rocrate.model.softwareapplication import SoftwareApplication
 from rocrate.rocrate import ROCrate
@@ -97,6 +98,26 @@ def _add_workflow(crate: ROCrate, root: Path) -> ContextEntity | None:
     return workflow
 
 
+def _model_settings(crate: ROCrate, sample: Sample) -> list[ContextEntity]:
+    """The model behind a sample's analysis as PropertyValues among the action's objects (the
+    Process Run Crate's place for the settings a run was given); only those the record has."""
+    out = []
+    for key, value in sample.model_provenance.items():
+        if value in (None, "", {}):
+            continue
+        text = orjson.dumps(value).decode() if isinstance(value, dict) else str(value)
+        out.append(
+            crate.add(
+                ContextEntity(
+                    crate,
+                    f"#analyze-{sample.name}/{key}",
+                    properties={"@type": "PropertyValue", "name": key, "value": text},
+                )
+            )
+        )
+    return out
+
+
 def _sample_actions(
     crate: ROCrate, sample: Sample, agent_for: Any
 ) -> tuple[list[ContextEntity], list[Any], list[Any]]:
@@ -135,10 +156,11 @@ def _sample_actions(
             )
         )  # fmt: skip
     instrument = agent_for(meta.get("versions") or versions())  # never ran: today's software
+    settings = _model_settings(crate, sample)
     analysis = crate.add_action(
         instrument,
         f"#analyze-{sample.name}",
-        object=inputs,
+        object=[*inputs, *settings],
         result=outputs,
         properties={
             "name": f"analyse {sample.name} ({meta.get('policy', 'unknown')} policy)",

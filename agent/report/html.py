@@ -39,11 +39,19 @@ VIEWS = {
         "doublet_recall": "doublet recall", "flags": "flags",
     },
     "run": {
-        "policy": "policy", "model": "model", "steps": "steps", "errors": "errors",
+        "policy": "policy", "steps": "steps", "errors": "errors",
         "iterations": "iterations", "seconds": "seconds", "prompt_tokens": "prompt tok.",
         "completion_tokens": "compl. tok.", "cached_ratio": "cached", "truncations": "trunc.",
     },
+    "model": {
+        "model": "model", "model_id": "model id", "revision": "revision",
+        "vllm_version": "vLLM", "family": "family", "sampling": "sampling",
+        "prompt_digest": "prompt digest",
+    },
 }  # fmt: skip
+# Long values cut to this many characters in the samples table, whole in the cell's title (and
+# in cohort.tsv and on the sample page): hashes are told apart by their start.
+CUT = {"revision": 12, "prompt_digest": 12, "sampling": 40}
 PARAMETERS_PER_VIEW = 6  # parameter headers are wide (tool and name on two lines)
 RESULT_CHARS = 1200  # longer step results are cut in the page (the world state has them whole)
 REPLAY_STEPS_SHOWN = 6  # after a divergence most later steps differ too; replay.json lists all
@@ -114,6 +122,14 @@ def _replay_note(replay: dict[str, Any]) -> str:
     )
 
 
+def _provenance_text(value: Any) -> str | None:
+    """A model provenance value on the sample page, settings as `name=value` pairs; None when
+    the record has none."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={fmt(v)}" for k, v in value.items()) or None
+    return fmt(value) or None
+
+
 def _sample_view(sample: Sample) -> dict[str, Any]:
     """What a sample's page shows, apart from the cohort context (flags, parameters)."""
     meta = sample.meta
@@ -140,6 +156,10 @@ def _sample_view(sample: Sample) -> dict[str, Any]:
             "seconds": f"{e.seconds:.2f}",
         }
         for e in sample.entries
+    ]
+    model = [
+        (key.replace("_", " ").replace("vllm", "vLLM"), _provenance_text(value))
+        for key, value in sample.model_provenance.items()
     ]
     first_error = next((e for e in sample.entries if e.status == "error"), None)
     replay = sample.replay or {}
@@ -169,6 +189,7 @@ def _sample_view(sample: Sample) -> dict[str, Any]:
             else None
         ),
         "details": [(k, fmt(v)) for k, v in details if v not in (None, "")],
+        "model": model,
         "versions": meta.get("versions") or {},
         "scores": [(k, fmt(v)) for k, v in (sample.scores or {}).items()],
         "labels": labels_found(sample),
@@ -285,7 +306,10 @@ def _cell(ctx: Context, rec: dict[str, Any], key: str) -> tuple[str, str, str]:
         text = f"{v:.0%}"
     numeric = isinstance(v, int | float) and not isinstance(v, bool)
     flag = ctx.flagged.get((name, key), "")
-    return text, " ".join(filter(None, ["n" if numeric else "", "f" if flag else ""])), flag
+    classes = " ".join(filter(None, ["n" if numeric else "", "f" if flag else ""]))
+    if key in CUT and len(text) > CUT[key]:
+        return text[: CUT[key]] + "…", classes, text
+    return text, classes, flag
 
 
 def _environment() -> jinja2.Environment:

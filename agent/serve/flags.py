@@ -1,14 +1,19 @@
-"""vLLM flags as a pure function of (GPU, model config, overrides), each with the reason it was chosen or left out.
+"""vLLM flags as a pure function of (GPU, model config, overrides, catalogue), each with the reason it was chosen or left out.
 
 The four layers that make each agent step fast:
-1. CUDA graphs: never ``--enforce-eager`` unless the config asks; capture sizes fitted to the agents.
+1. CUDA graphs: never ``--enforce-eager`` unless the config asks; capture sizes fitted to the agents
+   times the tokens each verifies per step (1 + draft tokens).
 2. FP8: FP8 weights only where FP8 tensor cores exist (compute capability 8.9+: H100, H200, L40S;
-   not A100); FP8 KV cache on A100 and H100 alike (cc 8.0+).
+   not A100), as vLLM 0.32's online ``fp8_per_tensor`` (``fp8`` now means an FP8 checkpoint only);
+   FP8 KV cache on A100 and H100 alike (cc 8.0+).
 3. Prefix caching: on, with cached-token counts in the usage the agent records.
-4. MTP speculative decoding: only when the model's config declares MTP heads.
-Plus tensor parallelism from the GPU count, ``--max-model-len`` / ``--max-num-seqs`` from the KV plan
-and the tool-call parser of the model family. Nothing here touches the machine: the same inputs give
-the same flags, so they can be explained for an H100 on a laptop and recorded in the endpoint file.
+4. MTP speculative decoding: only when the model's config declares MTP heads, drafting as many
+   tokens as the family's catalogue entry says.
+Plus tensor parallelism from the GPU count, ``--max-model-len`` / ``--max-num-seqs`` from the KV plan,
+and from the model's family in the catalogue (agent/serve/models.yaml): the tool-call and reasoning
+parsers, a tool chat template where the checkpoint's lacks tools, ``--language-model-only`` for a
+multimodal checkpoint. Nothing here touches the machine: the same inputs give the same flags, so
+they can be explained for an H100 on a laptop and recorded in the endpoint file.
 """
 
 from __future__ import annotations
@@ -19,33 +24,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from agent.serve import catalogue as catalogues
+from agent.serve.catalogue import Catalogue, CatalogueError, Family
 from agent.serve.gpu import GPU
 from agent.serve.kvplan import KVPlan, plan_capacity
 from agent.serve.model_config import ModelShape, model_shape
 
 FP8_TENSOR_CORES_CC = 8.9  # Ada / Hopper and newer
 FP8_KV_CACHE_CC = 8.0  # Ampere and newer
-
-# Tool-call parser per model family (config.json model_type); see vllm/tool_parsers/__init__.py.
-TOOL_CALL_PARSERS = {
-    "qwen2": "hermes",
-    "qwen2_moe": "hermes",
-    "qwen3": "hermes",
-    "qwen3_moe": "hermes",
-    "qwen3_next": "hermes",
-    "llama": "llama3_json",
-    "llama4": "llama4_pythonic",
-    "mistral": "mistral",
-    "mixtral": "mistral",
-    "deepseek_v3": "deepseek_v3",
-    "gemma3_text": "pythonic",
-    "granite": "granite",
-    "glm4_moe": "glm45",
-    "kimi_k2": "kimi_k2",
-    "gpt_oss": "openai",
-    "internlm2": "internlm",
-    "jamba": "jamba",
-}
+# vLLM 0.32's online FP8 for a bf16 checkpoint (vllm/config/quantization.py _ONLINE_SHORTHANDS);
+# its `--quantization fp8` refuses a checkpoint that is not FP8 already.
+FP8_ONLINE = "fp8_per_tensor"
 
 LAYERS = {
     "cuda-graphs": "Layer 1 - CUDA graphs",
@@ -53,7 +42,7 @@ LAYERS = {
     "prefix-caching": "Layer 3 - prefix caching",
     "speculative": "Layer 4 - speculative decoding (MTP)",
     "capacity": "Parallelism and capacity (KV plan)",
-    "tools": "Tool calling",
+    "tools": "Tool calling and thinking (model family)",
     "environment": "Environment",
     "server": "Server (set at launch)",
 }
@@ -72,8 +61,15 @@ class Overrides(BaseModel):
     prefix_caching: bool = True
     speculative: Literal["auto", "off", "mtp", "ngram"] = "auto"
     num_speculative_tokens: int | None = Field(None, ge=1, le=8)
+    family: str | None = Field(None, description="catalogue family, instead of the config's match")
     tool_call_parser: str | None = None
-    tool_strict_level: Literal["auto", "function", "parameter"] = "parameter"
+    reasoning_parser: str | None = Field(None, description="a vLLM name, or 'none' for no parser")
+    chat_template: str | None = Field(
+        None, description="a template file, or 'none' for the model's"
+    )
+    tool_strict_level: Literal["auto", "function", "parameter"] | None = Field(
+        None, description="default: parameter where the parser supports it, else left out"
+    )
     gpu_memory_utilization: float = Field(0.90, gt=0, le=1)
     params: int | None = Field(
         None, ge=1, description="parameter count, if not estimated from config"
@@ -120,6 +116,7 @@ class FlagPlan:
     shape: ModelShape
     plan: KVPlan
     overrides: Overrides
+    family: Family | None
     flags: list[Flag] = field(default_factory=list)
 
     def argv(self) -> list[str]:
@@ -134,6 +131,7 @@ class FlagPlan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "gpu": self.gpu.to_dict(),
+            "family": self.family.to_dict() if self.family else None,
             "overrides": self.overrides.model_dump(),
             "flags": [f.to_dict() for f in self.flags],
             "argv": self.argv(),
@@ -143,7 +141,11 @@ class FlagPlan:
 
     def explain(self) -> str:
         lines = [
-            f"vLLM flags for {self.shape.source} ({self.shape.model_type}) on {self.gpu.label()}"
+            f"vLLM flags for {self.shape.source} ({self.shape.model_type}) on {self.gpu.label()}",
+            f"model family: {self.family.name} (catalogue {self.family.source})"
+            if self.family
+            else "model family: none in the catalogue",
+            f"KV cache: {self.plan.kv_summary()}",
         ]
         for layer, title in LAYERS.items():
             flags = [f for f in self.flags if f.layer == layer]
@@ -159,12 +161,12 @@ class FlagPlan:
         return "\n".join(lines)
 
 
-def _capture_size(seqs: int) -> int:
-    """vLLM captures [1, 2, 4, 8, 16, ...]; the largest must cover a batch of every agent."""
-    return seqs if seqs <= 4 else -(-seqs // 8) * 8
+def _capture_size(tokens: int) -> int:
+    """vLLM captures [1, 2, 4, 8, 16, ...]; the largest must cover a decode batch of every agent."""
+    return tokens if tokens <= 4 else -(-tokens // 8) * 8
 
 
-def _cuda_graphs(gpu: GPU, o: Overrides, plan: KVPlan) -> list[Flag]:
+def _cuda_graphs(gpu: GPU, o: Overrides, plan: KVPlan, draft: int) -> list[Flag]:
     layer = "cuda-graphs"
     if o.enforce_eager:
         return [
@@ -186,7 +188,14 @@ def _cuda_graphs(gpu: GPU, o: Overrides, plan: KVPlan) -> list[Flag]:
                 "cpu: there are no CUDA graphs; vLLM's CPU backend compiles with torch.compile",
             )
         ]
-    size = _capture_size(plan.max_num_seqs)
+    tokens = plan.max_num_seqs * (1 + draft)
+    size = _capture_size(tokens)
+    batch = (
+        f"{plan.max_num_seqs} planned concurrent agents x (1 + {draft} draft tokens) = {tokens}"
+        " tokens verified per step"
+        if draft
+        else f"the {plan.max_num_seqs} planned concurrent agents"
+    )
     return [
         Flag(
             layer,
@@ -201,14 +210,19 @@ def _cuda_graphs(gpu: GPU, o: Overrides, plan: KVPlan) -> list[Flag]:
             "--max-cudagraph-capture-size",
             str(size),
             True,
-            f"capture batch sizes up to {size}, enough for the {plan.max_num_seqs} planned concurrent"
-            " agents, without spending start-up time and memory on batch sizes they never reach",
+            f"capture batch sizes up to {size}, enough for {batch}, without spending start-up"
+            " time and memory on batch sizes they never reach",
         ),
     ]
 
 
 def _fp8(
-    gpu: GPU, shape: ModelShape, o: Overrides, plan: KVPlan, plan_model_kv: KVPlan
+    gpu: GPU,
+    shape: ModelShape,
+    o: Overrides,
+    plan: KVPlan,
+    plan_model_kv: KVPlan,
+    bf16_weights_gib: float,
 ) -> list[Flag]:
     layer = "fp8"
     cc = f"cc {gpu.cc:.1f}"
@@ -221,38 +235,42 @@ def _fp8(
         weights = Flag(
             layer,
             "--quantization",
-            "fp8",
+            FP8_ONLINE,
             False,
             f"the checkpoint is already FP8 (quantization_config.quant_method=fp8); vLLM"
             f" loads it as it is, {'cpu' if gpu.is_cpu else kernels}",
         )
     elif o.quantization == "none":
         weights = Flag(
-            layer, "--quantization", "fp8", False, "disabled by config (quantization: none)"
+            layer, "--quantization", FP8_ONLINE, False, "disabled by config (quantization: none)"
         )
     elif o.quantization == "fp8" and not gpu.is_cpu:
         weights = Flag(
-            layer, "--quantization", "fp8", True, f"asked by config (quantization: fp8) on {cc}"
+            layer,
+            "--quantization",
+            FP8_ONLINE,
+            True,
+            f"asked by config (quantization: fp8) on {cc}",
         )
     elif gpu.is_cpu:
         weights = Flag(
-            layer, "--quantization", "fp8", False, "cpu: FP8 weight kernels need a CUDA GPU"
+            layer, "--quantization", FP8_ONLINE, False, "cpu: FP8 weight kernels need a CUDA GPU"
         )
     elif gpu.cc >= FP8_TENSOR_CORES_CC:
         weights = Flag(
             layer,
             "--quantization",
-            "fp8",
+            FP8_ONLINE,
             True,
-            f"FP8 tensor cores ({cc} >= {FP8_TENSOR_CORES_CC}): dynamic FP8 weights take"
-            f" {plan.weights_gib:.1f} GiB instead of {plan.weights_gib * 2:.1f} and run the"
-            " GEMMs at FP8 rate",
+            f"FP8 tensor cores ({cc} >= {FP8_TENSOR_CORES_CC}): online FP8 weights take"
+            f" {plan.weights_gib:.1f} GiB instead of {bf16_weights_gib:.1f} (embeddings, lm_head"
+            " and any vision tower stay bf16) and run the GEMMs at FP8 rate",
         )
     else:
         weights = Flag(
             layer,
             "--quantization",
-            "fp8",
+            FP8_ONLINE,
             False,
             f"{cc} < {FP8_TENSOR_CORES_CC}: no FP8 tensor cores (A100 and older), so FP8"
             " weights would save memory but slow every step",
@@ -317,7 +335,7 @@ def _prefix_caching(o: Overrides) -> list[Flag]:
     ]
 
 
-def _speculative(gpu: GPU, shape: ModelShape, o: Overrides) -> list[Flag]:
+def _speculative(gpu: GPU, shape: ModelShape, o: Overrides, family: Family | None) -> list[Flag]:
     layer, name = "speculative", "--speculative-config"
     heads = f"{shape.mtp_layers} MTP head(s)"
     if o.speculative == "mtp" and not shape.mtp_layers:
@@ -347,8 +365,22 @@ def _speculative(gpu: GPU, shape: ModelShape, o: Overrides) -> list[Flag]:
             )
         ]
     if shape.mtp_layers:
-        k = o.num_speculative_tokens or shape.mtp_layers
-        value = json.dumps({"method": "mtp", "num_speculative_tokens": k}, separators=(",", ":"))
+        recipe = (family.speculative if family else None) or {}
+        method = recipe.get("method", "mtp")
+        k = o.num_speculative_tokens or recipe.get("num_speculative_tokens") or shape.mtp_layers
+        if k > shape.mtp_layers and k % shape.mtp_layers:
+            raise ValueError(
+                f"{shape.source}: num_speculative_tokens {k} with {heads}: vLLM reuses the heads,"
+                f" so it must be a multiple of {shape.mtp_layers}"
+            )
+        whence = (
+            "asked by config"
+            if o.num_speculative_tokens
+            else f"the {family.name} recipe in the catalogue"
+            if recipe
+            else "one per head"
+        )
+        value = json.dumps({"method": method, "num_speculative_tokens": k}, separators=(",", ":"))
         return [
             Flag(
                 layer,
@@ -356,7 +388,8 @@ def _speculative(gpu: GPU, shape: ModelShape, o: Overrides) -> list[Flag]:
                 value,
                 True,
                 f"the config declares {heads} (num_nextn_predict_layers / mtp_num_hidden_layers):"
-                f" the model drafts {k} token(s) per step itself and verifies them in one pass",
+                f" the model drafts {k} token(s) per step itself ({whence}) and verifies them in"
+                " one pass",
             )
         ]
     return [
@@ -414,13 +447,24 @@ def _capacity(gpu: GPU, shape: ModelShape, o: Overrides, plan: KVPlan) -> list[F
         )
     )
     if gpu.is_cpu:
-        flags.append(
-            Flag(
-                layer,
-                "--gpu-memory-utilization",
-                None,
-                False,
-                "cpu: the KV cache size is VLLM_CPU_KVCACHE_SPACE",
+        flags.extend(
+            (
+                Flag(
+                    layer,
+                    "--gpu-memory-utilization",
+                    None,
+                    False,
+                    "cpu: the KV cache size is VLLM_CPU_KVCACHE_SPACE",
+                ),
+                Flag(
+                    layer,
+                    "--max-num-batched-tokens",
+                    str(plan.max_model_len),
+                    True,
+                    "cpu: a whole prompt is prefilled in one step; vLLM 0.32's CPU worker dies on a"
+                    " seeded request whose prompt is prefilled in chunks ('CPU Generator does not use"
+                    " offset'), and every agent request is seeded",
+                ),
             )
         )
     else:
@@ -439,9 +483,14 @@ def _capacity(gpu: GPU, shape: ModelShape, o: Overrides, plan: KVPlan) -> list[F
     return flags
 
 
-def _tools(shape: ModelShape, o: Overrides) -> list[Flag]:
+def _family_note(family: Family | None, why_none: str) -> str:
+    return f"the {family.name} family (catalogue)" if family else why_none
+
+
+def _tools(shape: ModelShape, o: Overrides, family: Family | None, why_none: str) -> list[Flag]:
+    """Tool-call parser, its strict level, reasoning parser, chat template, text-only serving."""
     layer = "tools"
-    parser = o.tool_call_parser or TOOL_CALL_PARSERS.get(shape.model_type)
+    parser = o.tool_call_parser or (family.tool_call_parser if family else None)
     if parser is None:
         return [
             Flag(
@@ -449,12 +498,12 @@ def _tools(shape: ModelShape, o: Overrides) -> list[Flag]:
                 "--enable-auto-tool-choice",
                 None,
                 False,
-                f"no known tool-call parser for model_type {shape.model_type!r}; set tool_call_parser",
+                f"{why_none}; set tool_call_parser (or family) in the overrides",
             ),
             Flag(layer, "--tool-call-parser", None, False, "see above"),
         ]
-    source = "asked by config" if o.tool_call_parser else f"model family {shape.model_type}"
-    return [
+    source = "asked by config" if o.tool_call_parser else _family_note(family, why_none)
+    flags = [
         Flag(
             layer,
             "--enable-auto-tool-choice",
@@ -467,19 +516,96 @@ def _tools(shape: ModelShape, o: Overrides) -> list[Flag]:
             "--tool-call-parser",
             parser,
             True,
-            f"{source} writes tool calls in the {parser} format",
+            f"{source}: the model writes tool calls in the {parser} format",
         ),
-        Flag(
-            layer,
-            "--tool-strict-level",
-            o.tool_strict_level,
-            True,
-            "tool-call arguments are decoded against each tool's JSON schema, so a call the model"
-            " starts is well-formed (a malformed call wastes an agent step)"
-            if o.tool_strict_level == "parameter"
-            else f"asked by config ({o.tool_strict_level})",
-        ),
+        _strict_level(o, family, parser),
+        _reasoning(o, family, why_none),
+        _chat_template(o, family),
     ]
+    if isinstance(shape.raw.get("vision_config"), dict):
+        text_only = bool(family and family.language_model_only)
+        flags.append(
+            Flag(
+                layer,
+                "--language-model-only",
+                None,
+                text_only,
+                "the checkpoint has a vision tower the agent never uses: vLLM skips loading it and"
+                " reserves no memory for image inputs"
+                if text_only
+                else f"{_family_note(family, why_none)} keeps the vision tower",
+            )
+        )
+    return flags
+
+
+def _strict_level(o: Overrides, family: Family | None, parser: str) -> Flag:
+    name = "--tool-strict-level"
+    if o.tool_strict_level:
+        return Flag("tools", name, o.tool_strict_level, True, "asked by config")
+    if family and family.strict_tools and parser == family.tool_call_parser:
+        return Flag(
+            "tools",
+            name,
+            "parameter",
+            True,
+            f"the {parser} parser builds a structural tag, so tool-call arguments are decoded"
+            " against each tool's JSON schema: a call the model starts is well-formed (a"
+            " malformed call wastes an agent step)",
+        )
+    return Flag(
+        "tools",
+        name,
+        "parameter",
+        False,
+        f"the {parser} parser builds no structural tag in vLLM 0.32 (catalogue strict_tools:"
+        " false), so a strict level would constrain nothing; arguments are checked by the agent's"
+        " registry instead",
+    )
+
+
+def _reasoning(o: Overrides, family: Family | None, why_none: str) -> Flag:
+    name = "--reasoning-parser"
+    if o.reasoning_parser == "none":
+        return Flag("tools", name, None, False, "disabled by config (reasoning_parser: none)")
+    if o.reasoning_parser:
+        return Flag("tools", name, o.reasoning_parser, True, "asked by config")
+    if family and family.reasoning_parser:
+        return Flag(
+            "tools",
+            name,
+            family.reasoning_parser,
+            True,
+            f"the {family.name} family thinks"
+            f"{' by default' if family.thinking else ' when asked'}: the server returns the"
+            " thought as message.reasoning, so it stays out of the content the agent keeps",
+        )
+    return Flag(
+        "tools",
+        name,
+        None,
+        False,
+        f"{_family_note(family, why_none)} has no thinking format (reasoning_parser: null)",
+    )
+
+
+def _chat_template(o: Overrides, family: Family | None) -> Flag:
+    name = "--chat-template"
+    if o.chat_template == "none":
+        return Flag("tools", name, None, False, "disabled by config (chat_template: none)")
+    if o.chat_template:
+        return Flag("tools", name, o.chat_template, True, "asked by config")
+    path = family.chat_template_path() if family else None
+    if path is not None:
+        return Flag(
+            "tools",
+            name,
+            str(path),
+            True,
+            f"the checkpoint's own template does not describe tools in the {family.tool_call_parser}"
+            " format; this one (shipped in agent/serve/templates) does",
+        )
+    return Flag("tools", name, None, False, "the checkpoint's own chat template describes tools")
 
 
 def _environment(gpu: GPU) -> list[Flag]:
@@ -506,11 +632,22 @@ def _environment(gpu: GPU) -> list[Flag]:
 
 
 def select_flags(
-    gpu: GPU, config: dict[str, Any], overrides: dict[str, Any] | Overrides | None = None
+    gpu: GPU,
+    config: dict[str, Any],
+    overrides: dict[str, Any] | Overrides | None = None,
+    catalogue: Catalogue | None = None,
 ) -> FlagPlan:
-    """All flags for serving ``config`` on ``gpu``, chosen and left out, each with its reason."""
+    """All flags for serving ``config`` on ``gpu``, chosen and left out, each with its reason;
+    the model family comes from ``catalogue`` (default: the packaged one and $SCAGENT_MODELS)."""
     o = Overrides.parse(overrides)
     shape = model_shape(config)
+    family, why_none = None, ""
+    try:
+        family = catalogues.family_for(config, o.family, catalogue)
+    except CatalogueError as exc:
+        if o.family:  # a family asked by name must exist
+            raise
+        why_none = str(exc)
     if gpu.is_cpu:
         fp8_weights, fp8_kv = False, o.kv_cache_dtype == "fp8"
     else:
@@ -520,27 +657,44 @@ def select_flags(
         fp8_kv = o.kv_cache_dtype == "fp8" or (
             o.kv_cache_dtype == "auto" and gpu.cc >= FP8_KV_CACHE_CC
         )
+    text_only = bool(family and family.language_model_only)
 
-    def plan_for(kv: str) -> KVPlan:
+    def plan_for(kv: str, weights: bool = fp8_weights) -> KVPlan:
         return plan_capacity(
             shape,
             gpu,
             agents=o.agents,
             kv_dtype=kv,
-            weight_dtype="fp8" if fp8_weights else "auto",
+            weight_dtype="fp8" if weights else "auto",
             max_model_len=o.max_model_len,
             gpu_memory_utilization=o.gpu_memory_utilization,
             params=o.params,
+            language_model_only=text_only,
         )
 
     plan = plan_for("fp8" if fp8_kv else "auto")
+    speculative = _speculative(gpu, shape, o, family)
+    draft = next(
+        (
+            json.loads(f.value)["num_speculative_tokens"]
+            for f in speculative
+            if f.chosen and f.value
+        ),
+        0,
+    )
+    bf16_weights_gib = plan.weights_gib if not fp8_weights else _bf16_weights_gib(shape, plan)
     flags = [
-        *_cuda_graphs(gpu, o, plan),
-        *_fp8(gpu, shape, o, plan, plan_for("auto") if fp8_kv else plan),
+        *_cuda_graphs(gpu, o, plan, draft),
+        *_fp8(gpu, shape, o, plan, plan_for("auto") if fp8_kv else plan, bf16_weights_gib),
         *_prefix_caching(o),
-        *_speculative(gpu, shape, o),
+        *speculative,
         *_capacity(gpu, shape, o, plan),
-        *_tools(shape, o),
+        *_tools(shape, o, family, why_none),
         *_environment(gpu),
     ]
-    return FlagPlan(gpu=gpu, shape=shape, plan=plan, overrides=o, flags=flags)
+    return FlagPlan(gpu=gpu, shape=shape, plan=plan, overrides=o, family=family, flags=flags)
+
+
+def _bf16_weights_gib(shape: ModelShape, plan: KVPlan) -> float:
+    """What the weights would take without FP8, for the reason's comparison."""
+    return plan.params * shape.dtype_bytes / 1024**3

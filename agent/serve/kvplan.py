@@ -1,9 +1,12 @@
 """KV-cache capacity: how many tokens fit on the GPUs, the context each agent gets, how many agents fit.
 
 KV bytes per token = attention layers x KV heads x head dim x 2 (K and V) x bytes per element
-(MLA models store one latent of ``kv_lora_rank + qk_rope_head_dim`` per layer instead).
-Sliding-window layers stop growing at their window and linear-attention layers hold a fixed state
-per sequence, so the memory of one sequence is computed per layer kind, not as tokens x a constant.
+(MLA models store one latent of ``kv_lora_rank + qk_rope_head_dim`` per layer instead), per layer
+kind: Gemma 4's full-attention layers have their own heads and head dim. Sliding-window layers stop
+growing at their window and linear-attention layers hold a fixed state per sequence, so the memory
+of one sequence is computed per layer kind, not as tokens x a constant. With tensor parallelism a
+GPU holds at least one KV head (heads are replicated when GPUs outnumber them) and every GPU holds
+the whole MLA latent. FP8 weights leave embeddings, lm_head and the vision tower in bf16.
 
 ``python -m agent plan --model-config config.json --gpu H100-80GB --gpus 1`` prints the table.
 """
@@ -50,10 +53,11 @@ class KVPlan:
     max_model_len: int
     max_num_seqs: int  # sequences of max_model_len that fit, capped at ``agents``
     seqs_fit_at_max_len: int
+    tp: int = 1  # GPUs the KV heads are split over
 
     @property
     def kv_bytes_per_token(self) -> float:
-        return self.shape.kv_bytes_per_token(self.kv_bytes)
+        return self.shape.kv_bytes_per_token(self.kv_bytes, self.tp)
 
     @property
     def tokens_fit(self) -> int:
@@ -61,7 +65,9 @@ class KVPlan:
         return int(self.kv_budget_gib * GIB // self.kv_bytes_per_token)
 
     def seqs_fit(self, tokens: int) -> int:
-        return int(self.kv_budget_gib * GIB // self.shape.sequence_bytes(tokens, self.kv_bytes))
+        return int(
+            self.kv_budget_gib * GIB // self.shape.sequence_bytes(tokens, self.kv_bytes, self.tp)
+        )
 
     def layer_summary(self) -> str:
         s = self.shape
@@ -78,16 +84,41 @@ class KVPlan:
 
     def per_token_formula(self) -> str:
         s = self.shape
-        attn = s.count("full") + s.count("sliding")
         if s.is_mla:
+            attn = s.count("full") + s.count("sliding")
+            copies = f" x {self.tp} GPUs (replicated)" if self.tp > 1 else ""
             return (
                 f"{attn} layers x (kv_lora_rank {s.kv_lora_rank} + rope {s.qk_rope_head_dim})"
-                f" x {self.kv_bytes:g} B (MLA latent)"
+                f" x {self.kv_bytes:g} B (MLA latent){copies}"
             )
-        return (
-            f"{attn} layers x {s.num_kv_heads} KV heads x {s.head_dim} head dim x 2 (K,V)"
-            f" x {self.kv_bytes:g} B"
-        )
+        terms = []
+        for kind in ("full", "sliding"):
+            if not s.count(kind):
+                continue
+            heads = s.kv_heads(kind)
+            shown = f"{heads}" if heads >= self.tp else f"{self.tp} (replicated {heads})"
+            terms.append(
+                f"{s.count(kind)} {kind} layers x {shown} KV heads x {s.layer_head_dim(kind)}"
+                f" head dim x 2 (K,V) x {self.kv_bytes:g} B"
+            )
+        return " + ".join(terms)
+
+    def kv_summary(self) -> str:
+        """Bytes per token of the layers that grow with every token, and of the windowed ones."""
+        s = self.shape
+        full = s.count("full") * s.kv_bytes_per_token_per_layer(self.kv_bytes, "full", self.tp)
+        text = f"{full:,.0f} B/token ({self.kv_dtype}) in {s.count('full')} full-attention layers"
+        if s.count("sliding"):
+            sliding = s.count("sliding") * s.kv_bytes_per_token_per_layer(
+                self.kv_bytes, "sliding", self.tp
+            )
+            text += (
+                f" + {sliding:,.0f} B/token in {s.count('sliding')} sliding-window layers that keep"
+                f" at most {s.sliding_window:,} tokens"
+            )
+        if s.linear is not None:
+            text += f" + {s.linear_state_bytes() / 2**20:,.1f} MiB of linear-attention state per sequence"
+        return f"{text}; {self.per_token_formula()}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -103,6 +134,8 @@ class KVPlan:
             "kv_dtype": self.kv_dtype,
             "kv_budget_gib": round(self.kv_budget_gib, 2),
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_formula": self.per_token_formula(),
+            "tensor_parallel": self.tp,
             "linear_state_bytes_per_seq": self.shape.linear_state_bytes(),
             "tokens_fit": self.tokens_fit,
             "agents": self.agents,
@@ -167,7 +200,7 @@ class KVPlan:
         lines += ["", f"{'context':>10}  {'agents that fit':>15}  {'GiB per agent':>13}"]
         limit = s.max_position_embeddings or max(TABLE_CONTEXTS)
         for ctx in [c for c in TABLE_CONTEXTS if c <= limit]:
-            per = s.sequence_bytes(ctx, self.kv_bytes) / GIB
+            per = s.sequence_bytes(ctx, self.kv_bytes, self.tp) / GIB
             lines.append(f"{ctx:>10,}  {self.seqs_fit(ctx):>15,}  {per:>13.2f}")
         return "\n".join(lines)
 
@@ -190,18 +223,24 @@ def plan_capacity(
     max_model_len: int | None = None,
     gpu_memory_utilization: float = DEFAULT_UTILIZATION,
     params: int | None = None,
+    language_model_only: bool = False,
 ) -> KVPlan:
-    """Plan KV capacity; ``auto`` dtypes follow the checkpoint (FP8 checkpoints count 1 byte)."""
+    """Plan KV capacity; ``auto`` dtypes follow the checkpoint (FP8 checkpoints count 1 byte for
+    the layers' weights). ``language_model_only``: the vision tower is not loaded."""
     if agents < 1:
         raise ValueError(f"agents {agents}: expected at least 1")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization}: expected 0 < u <= 1")
-    n_params = params if params is not None else shape.param_count()
+    vision = shape.vision_params if not language_model_only else 0
+    n_params = params if params is not None else shape.param_count() - shape.vision_params + vision
     wbytes = _bytes_for(
         weight_dtype, 1 if shape.checkpoint_fp8 else shape.dtype_bytes, "weight dtype"
     )
     kbytes = _bytes_for(kv_dtype, shape.dtype_bytes, "KV cache dtype")
-    weights_gib = n_params * wbytes / GIB
+    # FP8 (online or in the checkpoint) quantizes the layers' linear weights only
+    kept = min(n_params, shape.embedding_params() + vision) if wbytes < shape.dtype_bytes else 0
+    weights_gib = ((n_params - kept) * wbytes + kept * shape.dtype_bytes) / GIB
+    tp = 1 if gpu.is_cpu else gpu.count
     if gpu.is_cpu:  # weights live in host RAM beside a fixed KV space
         overhead, budget = 0.0, gpu.memory_gib
     else:
@@ -217,7 +256,7 @@ def plan_capacity(
     budget_bytes = budget * GIB
 
     def fits(tokens: int, seqs: int) -> bool:
-        return seqs * shape.sequence_bytes(tokens, kbytes) <= budget_bytes
+        return seqs * shape.sequence_bytes(tokens, kbytes, tp) <= budget_bytes
 
     # Largest context every one of ``agents`` sequences can hold at once (binary search).
     lo, hi = 0, model_max or 10_000_000
@@ -238,7 +277,7 @@ def plan_capacity(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}"
             )
         max_len = max_model_len
-    seqs_fit = int(budget_bytes // shape.sequence_bytes(max_len, kbytes))
+    seqs_fit = int(budget_bytes // shape.sequence_bytes(max_len, kbytes, tp))
     if seqs_fit < 1:
         raise ValueError(
             f"{shape.source}: not even one sequence of {max_len} tokens fits in {budget:.1f} GiB"
@@ -260,6 +299,7 @@ def plan_capacity(
         max_model_len=max_len,
         max_num_seqs=min(agents, seqs_fit),
         seqs_fit_at_max_len=seqs_fit,
+        tp=tp,
     )
 
 
@@ -270,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu",
         default="auto",
-        help="auto (nvidia-smi), cpu, or a preset: " + ", ".join(gpus.PRESETS),
+        help="auto (nvidia-smi), cpu, or a preset: " + ", ".join([*gpus.PRESETS, *gpus.ALIASES]),
     )
     parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (tensor parallel)")
     parser.add_argument("--agents", type=int, default=8, help="concurrent agents to plan for")

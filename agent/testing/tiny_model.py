@@ -1,12 +1,13 @@
-"""A tiny random-weight Qwen3-style chat model, built locally (no downloads) for a real vLLM.
+"""Tiny random-weight chat models of each model family, built locally (no downloads) for a real vLLM.
 
-The tokenizer is a byte-level BPE trained with ``tokenizers`` on a seeded synthetic corpus, so any
-prompt encodes; the chat template renders tools and Hermes-style ``<tool_call>`` blocks the way
-Qwen2.5/Qwen3 templates do, so vLLM's ``hermes`` tool parser reads what the model writes.
-The weights are random: the model's text is noise, but its token counts, prompt caching and
-context-length limits are the server's real ones.
+One builder, one spec per family (``FAMILIES``): the family's architecture where vLLM's CPU backend
+runs it, its chat template (``templates/``) and its special tokens as single tokens, since vLLM's
+tool and reasoning parsers look them up by id. The tokenizer is a byte-level BPE trained with
+``tokenizers`` on a seeded synthetic corpus, so any prompt encodes. The weights are random: the
+model's text is noise (tests force it with structured outputs), but its token counts, prompt
+caching and context-length limits are the server's real ones.
 
-``python -m agent.testing.tiny_model OUTDIR`` builds it by hand.
+``python -m agent.testing.tiny_model OUTDIR [FAMILY]`` builds one by hand.
 """
 
 from __future__ import annotations
@@ -14,18 +15,86 @@ from __future__ import annotations
 import json
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 SEED = 0
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
+TEMPLATES = Path(__file__).with_name("templates")
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What a tiny model of one family needs to look like that family to vLLM."""
+
+    architecture: str  # "qwen3", "llama" or "gemma3": a transformers model the CPU backend runs
+    template: str  # file in templates/
+    control: tuple[str, ...]  # special tokens (skipped in decoded text); [0] pads, [1] starts
+    markup: tuple[str, ...]  # the parsers' markers: single tokens, kept in decoded text
+    eos: str  # end of a reply
+    bos: str | None = None  # the template's bos_token, where it writes one
+
+
+_QWEN_CONTROL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_QWEN_MARKUP = (
     "<tool_call>",
     "</tool_call>",
     "<tool_response>",
     "</tool_response>",
-]
+    "<think>",
+    "</think>",
+)
+# Qwen3.5/3.6 and Gemma 4 use the Qwen3 architecture as a stand-in: Qwen3.5/3.6 interleave
+# Gated DeltaNet layers (vLLM's gdn_attn kernels are Triton, which this CPU build disables), and
+# Gemma 4's own architecture was not tried on the CPU backend here. The parse path under test
+# depends only on the template and the tokens, which are the family's.
+FAMILIES: dict[str, FamilySpec] = {
+    "qwen3": FamilySpec("qwen3", "qwen3.jinja", _QWEN_CONTROL, _QWEN_MARKUP, "<|im_end|>"),
+    "qwen3.5": FamilySpec("qwen3", "qwen3.5.jinja", _QWEN_CONTROL, _QWEN_MARKUP, "<|im_end|>"),
+    "gemma4": FamilySpec(
+        "qwen3",
+        "gemma4.jinja",
+        ("<pad>", "<bos>", "<eos>"),
+        (
+            "<|turn>",
+            "<turn|>",
+            "<|tool>",
+            "<tool|>",
+            "<|tool_call>",
+            "<tool_call|>",
+            "<|tool_response>",
+            "<tool_response|>",
+            "<|channel>",
+            "<channel|>",
+            "<|think|>",
+            '<|"|>',
+        ),
+        "<turn|>",
+        bos="<bos>",
+    ),
+    "gemma3": FamilySpec(
+        "gemma3",
+        "gemma3.jinja",
+        ("<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"),
+        (),
+        "<end_of_turn>",
+        bos="<bos>",
+    ),
+    "llama3": FamilySpec(
+        "llama",
+        "llama3.jinja",
+        (
+            "<|end_of_text|>",
+            "<|begin_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+        ),
+        ("<|python_tag|>",),
+        "<|eot_id|>",
+        bos="<|begin_of_text|>",
+    ),
+}
 
 # Words the agent's prompts are made of, so the BPE merges are not wasted on foreign text.
 _VOCABULARY = """
@@ -61,111 +130,104 @@ def corpus(n_lines: int = 3000, seed: int = SEED) -> list[str]:
     return lines
 
 
-CHAT_TEMPLATE = """\
-{%- if tools %}
-{{- '<|im_start|>system\\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
-{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
-{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
-{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
-{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
-{%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant' }}
-{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
-{%- for tool_call in message.tool_calls | default([]) %}
-{%- set fn = tool_call.function if tool_call.function is defined else tool_call %}
-{{- '\\n<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
-{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}
-{{- '}\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
-
-
-def build_tokenizer(outdir: Path, vocab_size: int = 2048) -> int:
-    """Train a byte-level BPE on the corpus; write tokenizer.json and its config. Returns the vocab size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(
+    outdir: Path, spec: FamilySpec, vocab_size: int = 2048
+) -> tuple[int, dict[str, int]]:
+    """Train a byte-level BPE on the corpus with the family's tokens; write tokenizer.json and
+    its config (with the chat template). Returns the vocabulary size and the family's tokens'
+    ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(spec.control),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
+    # markers stay in decoded text (as in the families' own tokenizers), yet encode as one token
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.markup])
     tok.save(str(outdir / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in (*spec.control, *spec.markup)}
     (outdir / "tokenizer_config.json").write_text(
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": None,
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
+                "bos_token": spec.bos,
+                "eos_token": spec.eos,
+                "pad_token": spec.control[0],
                 "model_max_length": 32768,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": (TEMPLATES / spec.template).read_text(),
                 "added_tokens_decoder": {
-                    str(tok.token_to_id(t)): {"content": t, "special": True} for t in SPECIAL_TOKENS
+                    str(ids[t]): {"content": t, "special": t in spec.control} for t in ids
                 },
             },
             indent=1,
         )
     )
-    return tok.get_vocab_size()
+    return tok.get_vocab_size(), ids
 
 
-def build_tiny_model(outdir: str | Path, seed: int = SEED) -> Path:
-    """Write a loadable Qwen3ForCausalLM checkpoint (hidden 64, 2 layers) with its tokenizer."""
+def _model_config(spec: FamilySpec, vocab: int, ids: dict[str, int]):
+    """hidden 64, 2 layers: loads in seconds; head_dim 32, as vLLM's CPU attention supports 32,
+    64, 80, ... (not 16)."""
+    import transformers
+
+    shape = {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "bos_token_id": ids[spec.bos or spec.control[0]],
+        "eos_token_id": ids[spec.eos],
+        "pad_token_id": ids[spec.control[0]],
+        "torch_dtype": "bfloat16",
+    }
+    if spec.architecture == "gemma3":
+        # Gemma 3's five sliding layers to one global: two layers, one of each
+        return transformers.Gemma3TextConfig(
+            **shape, sliding_window=512, layer_types=["sliding_attention", "full_attention"]
+        ), transformers.Gemma3ForCausalLM
+    if spec.architecture == "llama":
+        return transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM
+    return transformers.Qwen3Config(**shape), transformers.Qwen3ForCausalLM
+
+
+def build_tiny_model(outdir: str | Path, family: str = "qwen3", seed: int = SEED) -> Path:
+    """Write a loadable checkpoint of ``family`` (a key of FAMILIES) with its tokenizer."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; expected one of {sorted(FAMILIES)}")
+    spec = FAMILIES[family]
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out)
-    ids = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
-    special = {t["content"]: t["id"] for t in ids}
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,  # vLLM's CPU attention supports 32, 64, 80, ... (not 16)
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-        bos_token_id=special["<|endoftext|>"],
-        eos_token_id=special["<|im_end|>"],
-        pad_token_id=special["<|endoftext|>"],
-        torch_dtype="bfloat16",
-    )
+    vocab, ids = build_tokenizer(out, spec)
+    config, model_class = _model_config(spec, vocab, ids)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model = model_class(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").write_text(
-        json.dumps(
-            {"eos_token_id": special["<|im_end|>"], "pad_token_id": special["<|endoftext|>"]}
-        )
+        json.dumps({"eos_token_id": ids[spec.eos], "pad_token_id": ids[spec.control[0]]})
     )
     return out
 
 
+def marker_ids(model_dir: str | Path) -> list[int]:
+    """The ids of a built model's marker tokens (those its parsers look for)."""
+    config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    return [int(i) for i, t in config["added_tokens_decoder"].items() if not t["special"]]
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m agent.testing.tiny_model OUTDIR")
-    print(build_tiny_model(sys.argv[1]))
+    if len(sys.argv) not in (2, 3):
+        raise SystemExit("usage: python -m agent.testing.tiny_model OUTDIR [FAMILY]")
+    print(build_tiny_model(*sys.argv[1:]))

@@ -3,6 +3,7 @@
 # in the per-job functions (a 1,000-sample sheet must not cost more than ~10x a 100-sample one).
 
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -26,6 +27,10 @@ validate(config, "../schemas/config.schema.yaml")
 
 SERVER = config["server"]
 ENDPOINT = "results/servers/{shard}.json"  # serve_vllm's service output, read by its agents
+# Shared folders as absolute paths: every job, on whatever node and in whatever container working
+# directory, must name the same one (the HF cache the weights are in, the one compile cache).
+HF_HOME = os.path.abspath(SERVER["hf_home"]) if SERVER["hf_home"] else ""
+COMPILE_CACHE = os.path.abspath(SERVER["cache_dir"]) if SERVER["cache_dir"] else ""
 DEMO_DIR = Path(os.path.normpath(config["demo"]["dir"]))
 
 
@@ -228,9 +233,44 @@ WAIT_FOR_SERVER = wait_for_server if SHARD_OF else ":"
 
 def serve_args(wildcards):
     """The `agent serve` options of one shard, shell-quoted."""
-    args = ["--model", SERVER["model"], "--gpus", str(SERVER["gpus"])]
+    args = ["--model", SERVER["model"], "--revision", SERVER["revision"]]
+    args += ["--gpus", str(SERVER["gpus"])]
     args += ["--agents", str(len(SHARDS[wildcards.shard])), "--gpu", SERVER["gpu"]]
     args += ["--timeout", str(SERVER["timeout"])]
     if SERVER["max_model_len"]:
         args += ["--max-model-len", str(SERVER["max_model_len"])]
+    if COMPILE_CACHE:  # every shard's server compiles into, and later ones start from, one folder
+        args += ["--cache-dir", COMPILE_CACHE]
     return shlex.join(args)
+
+
+def server_environment():
+    """`env` assignments of a server job, shell-quoted: the Hugging Face cache it reads, offline
+    (compute nodes may have no internet: a model missing from the cache fails at once, naming
+    the cache and the command that fills it, instead of starting a download per shard)."""
+    return shlex.join([*([f"HF_HOME={HF_HOME}"] if HF_HOME else []), "HF_HUB_OFFLINE=1"])
+
+
+# ---- the model's weights (fetch_model) ----
+
+
+def model_is_a_folder():
+    """server.model names a folder (used as it is) rather than a Hub id (looked up in the cache)."""
+    return os.path.isdir(SERVER["model"])
+
+
+def fetched_marker():
+    """fetch_model's output: which snapshot of server.model at server.revision it put where."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{SERVER['model']}@{SERVER['revision']}")
+    return f"results/models/{name}.json"
+
+
+# With server.fetch, a server starts only once fetch_model has filled the cache.
+SERVE_INPUTS = {"weights": fetched_marker()} if SERVER["fetch"] else {}
+
+
+if SERVER["fetch"] and SERVER["mode"] == "vllm" and model_is_a_folder():
+    raise WorkflowError(
+        f"config server.fetch: server.model {SERVER['model']!r} is a folder, which has nothing "
+        "to fetch; set server.fetch to false, or server.model to a Hugging Face Hub id"
+    )

@@ -7,6 +7,8 @@
 
 rule serve_vllm:
     """Start a vLLM server for one shard; it writes the endpoint file only once healthy."""
+    input:
+        **SERVE_INPUTS,
     output:
         endpoint=temp(service(ENDPOINT)),
     log:
@@ -16,6 +18,7 @@ rule serve_vllm:
     params:
         command=SERVER["command"],
         args=serve_args,
+        env=server_environment(),
     resources:
         **server_resources(),
     threads: 1
@@ -26,4 +29,29 @@ rule serve_vllm:
     container: "envs/vllm.sif"
     shell:
         # exec: the server itself receives Snakemake's SIGTERM at the end, not a wrapping shell
-        "exec {params.command} --endpoint-file {output.endpoint:q} {params.args} > {log:q} 2>&1"
+        "exec env {params.env} {params.command} --endpoint-file {output.endpoint:q} {params.args} "
+        "> {log:q} 2>&1"
+
+
+# The weights come from the Hugging Face cache (server.hf_home, else the environment's HF_HOME);
+# the servers only read it (offline). This fills it, where there is internet: a login node, since
+# it is a localrule (the main Snakemake process runs it). Asked for by name (`snakemake
+# fetch_model`), or before the first server when config server.fetch is true. Its output says
+# which snapshot (commit) of server.model at server.revision it put where.
+
+
+rule fetch_model:
+    """Download server.model at server.revision into the Hugging Face cache (login node)."""
+    output:
+        fetched_marker(),
+    log:
+        "logs/fetch_model.log",
+    params:
+        model=SERVER["model"],
+        revision=SERVER["revision"],
+        hf_home=HF_HOME,
+    conda:
+        "../../envs/vllm.yaml"
+    container: "envs/vllm.sif"
+    script:
+        "../scripts/fetch_model.py"

@@ -1,0 +1,155 @@
+"""The parse path of every model family, for real: a real vLLM server (CPU) per family, with a tiny
+random-weight model carrying that family's chat template and tokens, its own tool-call and
+reasoning parsers, and replies forced by structured outputs to spell the reference recipe's calls
+in the family's format (agent/testing/forced.py). The model's own output, parsed by the server,
+is what the loop runs."""
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from agent.config import RunConfig
+from agent.context import ContextManager, TokenCounter, tokenizer_estimate
+from agent.data.synthetic import SampleSpec, write_sample
+from agent.layout import SampleLayout
+from agent.loop import run_loop
+from agent.policies import make_policy
+from agent.prompts import BRIEF, SYSTEM_PROMPT
+from agent.testing.forced import THOUGHTS, ForcedPolicy
+from agent.testing.tiny_model import marker_ids
+from agent.tools import build_registry
+from agent.tools.session import Session
+from agent.world_state import WorldState
+from tests.fixtures_data import run_reference
+
+pytestmark = pytest.mark.vllm
+
+# 300 cells: every step of the recipe applies (scrublet needs 100+), each tool takes a moment
+TINY = SampleSpec("tiny", 300, seed=7, format="h5ad", damaged_fraction=0.1, doublet_fraction=0.05)
+THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+MARKERS = ("<think>", "</think>", "<|channel>", "<channel|>", "<tool_call>", "<|tool_call>")
+
+
+@pytest.fixture(scope="module")
+def tiny_input(tmp_path_factory):
+    return write_sample(TINY, tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def reference_calls(tiny_input, tmp_path_factory):
+    """The calls (tools and parameters, defaults filled in) of the reference policy alone."""
+    _, world = run_reference(tiny_input, tmp_path_factory.mktemp("reference"))
+    assert world.entries[-1].tool == "finish" and world.entries[-1].status == "ok"
+    return [(e.tool, e.params) for e in world.entries]
+
+
+def parsers(server) -> tuple[str, bool]:
+    """The tool-call parser the catalogue gave the server, and whether the family thinks (has a
+    reasoning parser and a thought format)."""
+    family = server.endpoint.info["family"]
+    return family["tool_call_parser"], bool(family["reasoning_parser"]) and family[
+        "name"
+    ] in THOUGHTS
+
+
+def analyse(policy, setup, registry, tiny_input, outdir, max_steps):
+    """The agent loop as the runner drives it, with ``policy`` deciding in the place of
+    ``setup.policy``."""
+    context = ContextManager(
+        SYSTEM_PROMPT,
+        registry.schemas(),
+        setup.context_limit,
+        completion_reserve=setup.max_tokens,
+        counter=TokenCounter(tokenizer_estimate(setup.tokenizer)),
+    )
+    context.add_user(BRIEF.format(sample="tiny", input=tiny_input.name, brief=""))
+    world = WorldState(meta={"sample": "tiny"})
+    session = Session(outdir, seed=0, input_path=tiny_input)
+    status = run_loop(
+        policy,
+        registry,
+        session,
+        world,
+        context,
+        SampleLayout(outdir),
+        max_steps,
+        log=io.StringIO(),
+    )
+    metrics = [json.loads(x) for x in (outdir / "metrics.jsonl").read_text().splitlines()]
+    return status, world, context, metrics
+
+
+def llm_config(server, tiny_input: Path, outdir: Path, max_tokens: int) -> RunConfig:
+    return RunConfig(
+        input=tiny_input,
+        outdir=outdir,
+        policy="llm",
+        endpoint_file=server.endpoint_file,
+        outage_wait=20,  # a server that died fails the test at once
+        max_tokens=max_tokens,
+    )
+
+
+def test_a_reference_analysis_through_the_family_parser(
+    family_server, tiny_input, reference_calls, tmp_path
+):
+    """Every call the loop runs came from the model's text through the server's parsers; the
+    analysis equals the reference policy's, and no thought reaches the history."""
+    family, model_dir, server = family_server
+    assert server.endpoint.info["family"]["name"] == family
+    parser, thinking = parsers(server)
+    registry = build_registry()
+    # the family's budget (thousands) would not fit this small context
+    setup = make_policy(llm_config(server, tiny_input, tmp_path, max_tokens=256), registry)
+    policy = ForcedPolicy(
+        setup.policy, registry, family, parser, marker_ids(model_dir), thinking=thinking
+    )
+    status, world, context, metrics = analyse(
+        policy, setup, registry, tiny_input, tmp_path, max_steps=len(reference_calls) + 2
+    )
+    failed = [(e.step, e.tool, e.error) for e in world.entries if e.status != "ok"]
+    assert status == "finished" and not failed, failed
+    assert [(e.tool, e.params) for e in world.entries] == reference_calls
+    assert all(e.call_id and not e.call_id.startswith("call-") for e in world.entries)  # server's
+    history = json.dumps(context.history)
+    assert not any(m in history for m in MARKERS)
+    if thinking:
+        assert len(policy.thoughts) == len(reference_calls)
+        assert [(r or "").strip() for r in policy.reasoning] == policy.thoughts
+        assert not any(t in history for t in policy.thoughts)
+        assert all(r["reasoning_tokens"] > 5 for r in metrics)
+    else:
+        assert policy.reasoning == [None] * len(reference_calls)
+        assert all(not r["reasoning_tokens"] for r in metrics)
+
+
+def test_a_reply_cut_while_thinking_is_recovered(family_server, tiny_input, tmp_path):
+    """A thought cut at max_tokens is a recorded error naming the cut, and the next request
+    has twice the budget; with thinking switched off, the family's template and parser give a
+    call with no thought at all."""
+    family, model_dir, server = family_server
+    parser, thinking = parsers(server)
+    if not thinking:
+        pytest.skip(f"{family} does not think")
+    registry = build_registry()
+    setup = make_policy(llm_config(server, tiny_input, tmp_path, max_tokens=48), registry)
+    llm = setup.policy
+    llm.no_thinking = THINKING_OFF  # what the catalogue gives the thinking families
+    policy = ForcedPolicy(llm, registry, family, parser, marker_ids(model_dir), True, endless=1)
+    status, world, _, metrics = analyse(policy, setup, registry, tiny_input, tmp_path, 2)
+    assert status == "step_limit"
+    cut, loaded = world.entries
+    assert cut.status == "error" and "cut while thinking" in cut.error
+    assert "at max_tokens 48); next request: max_tokens 96" in cut.error
+    assert metrics[0]["completion_tokens"] == 48 and metrics[0]["reasoning_tokens"] > 40
+    assert loaded.tool == "load_data" and loaded.status == "ok" and llm.max_tokens == 96
+    # what the last switch sends: thinking off, and the call still parses, thought-free
+    llm.thinking_off = True
+    reply = policy.decide(
+        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "go"}],
+        registry.schemas(),
+        world,
+    )
+    assert [c.name for c in reply.calls] == ["filter_cells"] and reply.reasoning is None
