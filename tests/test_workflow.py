@@ -95,7 +95,7 @@ def test_vllm_mode_shards_llm_samples_into_server_groups(workflow_dir: WorkflowD
     workflow_dir.write_sheet(rows)
     workflow_dir.configure(
         analysis={"policy": "llm"},
-        server={"mode": "vllm", "samples_per_server": 2, "gres": "gpu:h100:1"},
+        server={"mode": "vllm", "samples_per_server": 2, "gres": "gpu:h100:1", "thinking": False},
     )
     out = workflow_dir.snakemake("-n", "-p", "--cores", "16")
     assert out.returncode == 0, out.stdout
@@ -121,6 +121,7 @@ def test_vllm_mode_shards_llm_samples_into_server_groups(workflow_dir: WorkflowD
     }
     assert "--endpoint-file results/servers/shard001.json" in analyze["s3"]
     assert "--outage-wait 900" in analyze["s3"]  # server.outage_wait reaches the agent
+    assert "--no-thinking" in analyze["s3"]  # and so does server.thinking
     assert "until test -s results/servers/shard001.json" in analyze["s3"]  # waits for health
     assert "--policy reference" in analyze["ref"] and "results/servers" not in analyze["ref"]
 

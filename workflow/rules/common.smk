@@ -207,6 +207,8 @@ def analyze_args(wildcards):
             args += [f"--{column.replace('_', '-')}", s[column]]
     if s["policy"] == "llm":
         args += ["--outage-wait", str(SERVER["outage_wait"])]
+        if not SERVER["thinking"]:
+            args += ["--no-thinking"]
     if s["policy"] == "llm" and SERVER["mode"] == "vllm":
         args += ["--endpoint-file", ENDPOINT.format(shard=SHARD_OF[wildcards.sample])]
     elif s["policy"] == "llm" and SERVER["mode"] == "external":
