@@ -86,9 +86,6 @@ class TokenCounter:
             self._by_message.pop(next(iter(self._by_message)))
         return n[1]
 
-    def raw_prompt(self, messages: list[Message], tools: list[dict[str, Any]]) -> int:
-        return sum(self.raw_message(m) for m in messages) + self.raw(orjson.dumps(tools).decode())
-
     def scaled(self, raw: int) -> int:
         return math.ceil(raw * self.factor)
 
@@ -124,12 +121,20 @@ class ContextManager:
 
     def budget(self, world_text: str) -> int:
         """available_history = limit - tool schemas - instructions - world-state rendering - reserves."""
-        fixed = self.counter.scaled(
-            self.counter.raw(orjson.dumps(self.tools).decode())
-            + self.counter.raw_message({"content": self.system_prompt})
-            + self.counter.raw_message({"content": world_text})
+        fixed = self._fixed_raw() + self.counter.raw_message({"content": world_text})
+        return (
+            self.context_limit
+            - self.counter.scaled(fixed)
+            - self.completion_reserve
+            - self.safety_margin
         )
-        return self.context_limit - fixed - self.completion_reserve - self.safety_margin
+
+    def _fixed_raw(self) -> int:
+        """Raw tokens of what every request starts with: the instructions and the tool schemas."""
+        c = self.counter
+        return c.raw_message({"content": self.system_prompt}) + c.raw(
+            orjson.dumps(self.tools).decode()
+        )
 
     def headroom(self, budget: int) -> int:
         """Tokens a cut frees below ``budget``: ``plan_steps`` of the mean step, at least
@@ -163,10 +168,9 @@ class ContextManager:
         system = {"role": "system", "content": self.system_prompt}
         messages = [system, self._head, *self.history[lead:]]
         c = self.counter
-        fixed = c.raw_message(system) + c.raw(orjson.dumps(self.tools).decode())
         after = c.raw_message(self._head) + self._history_raw
         after -= sum(map(c.raw_message, self.history[:lead]))
-        self._sent_raw, self._raw_after = fixed + after, self._history_raw
+        self._sent_raw, self._raw_after = self._fixed_raw() + after, self._history_raw
         if cut:  # everything after the instructions and tools is new to the server's cache
             reprefilled = c.scaled(after)
         self.last = {

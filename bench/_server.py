@@ -5,8 +5,9 @@ directory is given: its text is noise, but token counts, prefix caching and pref
 server's real ones. Its tokenizer is trained on a synthetic corpus of the agent's own words and
 compresses the prompts far better than a real model's; ``broad_model`` builds the same model with a
 byte-level BPE of a real model's vocabulary size trained on a broad corpus that ships on the
-machine (``BROAD_CORPUS``), whose compression of the prompts is close to a real model's. The server runs with ``VLLM_SERVER_DEV_MODE=1`` so that a benchmark can empty
-the prefix cache between arms (``POST /reset_prefix_cache``) and compare them from the same start.
+machine (``BROAD_CORPUS``), whose compression of the prompts is close to a real model's. The
+server runs with ``VLLM_SERVER_DEV_MODE=1`` so that a benchmark can empty the prefix cache between
+arms (``POST /reset_prefix_cache``) and compare them from the same start.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
+from typing import Any
 
 import openai
-import orjson
 
 from agent.endpoint import Endpoint, http_json, read_endpoint, root_url
 from agent.policies.llm import LLMPolicy
@@ -126,13 +126,18 @@ def serve_from_args(
 
 
 def tiny_model(workdir: Path) -> Path:
+    return _built(workdir / "tiny-qwen3")
+
+
+def _built(target: Path, **build: Any) -> Path:
+    """The tiny model in ``target``, built there first (``build``: build_tiny_model's options)
+    unless an earlier run did."""
     from transformers.utils import logging as hf_logging
 
     from agent.testing.tiny_model import build_tiny_model
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in a benchmark's output
-    target = workdir / "tiny-qwen3"
-    return target if (target / "config.json").exists() else build_tiny_model(target)
+    return target if (target / "config.json").exists() else build_tiny_model(target, **build)
 
 
 # (what, folder, file pattern): text and JSON that Debian and PyPI packages install here
@@ -173,30 +178,11 @@ def broad_corpus(per_source: int = CORPUS_BYTES) -> Iterator[str]:
 
 
 def broad_model(workdir: Path, vocab_size: int = BROAD_VOCAB) -> Path:
-    """The tiny model's Qwen3 build with a ``vocab_size`` byte-level BPE trained on broad_corpus."""
-    from transformers.utils import logging as hf_logging
-
-    from agent.testing import tiny_model
-
-    hf_logging.disable_progress_bar()
-    target = workdir / f"tiny-qwen3-broad{vocab_size}"
-    if (target / "config.json").exists():
-        return target
-    target.mkdir(parents=True, exist_ok=True)
-    texts = list(broad_corpus())
-    with mock.patch.object(tiny_model, "corpus", lambda: texts):  # its builder, another corpus
-        vocab, ids = tiny_model.build_tokenizer(target, tiny_model.FAMILIES["qwen3"], vocab_size)
-    import torch
-
-    config, model_class = tiny_model._model_config(tiny_model.FAMILIES["qwen3"], vocab, ids)
-    torch.manual_seed(tiny_model.SEED)
-    model_class(config).to(torch.bfloat16).save_pretrained(target, safe_serialization=True)
-    (target / "generation_config.json").write_text(
-        orjson.dumps(
-            {"eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id}
-        ).decode()
+    """The tiny model's Qwen3 build with a ``vocab_size`` byte-level BPE trained on broad_corpus
+    (read only when it is built)."""
+    return _built(
+        workdir / f"tiny-qwen3-broad{vocab_size}", vocab_size=vocab_size, texts=broad_corpus()
     )
-    return target
 
 
 @contextlib.contextmanager

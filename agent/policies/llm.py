@@ -64,8 +64,8 @@ class LLMPolicy:
         """``sampling``: the family's recommended settings (temperature, top_p, top_k, min_p,
         presence_penalty...; greedy when not given); ``no_thinking``: the request fields that
         switch the family's thinking off (None: it has no switch); ``thinking_off``: use that switch
-        from the first request; ``extra_body``: further
-        vLLM request fields, e.g. {"ignore_eos": true}."""
+        from the first request; ``extra_body``: further vLLM request fields, e.g.
+        {"ignore_eos": true}."""
         self.client = openai.OpenAI(
             base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries
         )
@@ -73,8 +73,7 @@ class LLMPolicy:
         self.sampling: dict[str, Any] = {"temperature": 0.0, **(sampling or {}), "seed": seed}
         self.max_tokens = self.base_max_tokens = max_tokens
         self.no_thinking = no_thinking
-        # on from the start when asked, else once a reply was cut while thinking at the largest
-        # budget
+        # from the start when asked, else once a reply was cut while thinking at the largest budget
         self.thinking_off = thinking_off
         self.extra_body = dict(extra_body or {})
         self.tool_choice = tool_choice

@@ -18,9 +18,9 @@ OUTCOME_COLUMNS = (
     "sample", "status", "error", "drift", "outliers", "input", "input_sha256", "policy", "model",
     *MODEL_PROVENANCE, "server_flags", "seed", "steps", "errors", "iterations", "seconds",
     "decide_seconds", "tool_seconds", "prompt_tokens", "completion_tokens", "cached_tokens",
-    "cached_ratio", "truncations", "reprefilled_tokens", "cells_before", "genes_before", "cells_after", "genes_after",
-    "cells_kept_fraction", "cells_removed_qc", "doublets_removed", "clusters", "labels",
-    "replay", "ari", "doublet_recall", "damaged_removed", "planted_types",
+    "cached_ratio", "truncations", "reprefilled_tokens", "cells_before", "genes_before",
+    "cells_after", "genes_after", "cells_kept_fraction", "cells_removed_qc", "doublets_removed",
+    "clusters", "labels", "replay", "ari", "doublet_recall", "damaged_removed", "planted_types",
 )  # fmt: skip
 
 

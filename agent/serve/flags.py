@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from agent.serve import catalogue as catalogues
 from agent.serve.catalogue import Catalogue, CatalogueError, Family
 from agent.serve.gpu import GPU
-from agent.serve.kvplan import KVPlan, plan_capacity
+from agent.serve.kvplan import GIB, KVPlan, plan_capacity
 from agent.serve.model_config import ModelShape, model_shape
 
 FP8_TENSOR_CORES_CC = 8.9  # Ada / Hopper and newer
@@ -222,7 +222,6 @@ def _fp8(
     o: Overrides,
     plan: KVPlan,
     plan_model_kv: KVPlan,
-    bf16_weights_gib: float,
 ) -> list[Flag]:
     layer = "fp8"
     cc = f"cc {gpu.cc:.1f}"
@@ -263,8 +262,8 @@ def _fp8(
             FP8_ONLINE,
             True,
             f"FP8 tensor cores ({cc} >= {FP8_TENSOR_CORES_CC}): online FP8 weights take"
-            f" {plan.weights_gib:.1f} GiB instead of {bf16_weights_gib:.1f} (embeddings, lm_head"
-            " and any vision tower stay bf16) and run the GEMMs at FP8 rate",
+            f" {plan.weights_gib:.1f} GiB instead of {plan.params * shape.dtype_bytes / GIB:.1f}"
+            " (embeddings, lm_head and any vision tower stay bf16) and run the GEMMs at FP8 rate",
         )
     else:
         weights = Flag(
@@ -659,13 +658,13 @@ def select_flags(
         )
     text_only = bool(family and family.language_model_only)
 
-    def plan_for(kv: str, weights: bool = fp8_weights) -> KVPlan:
+    def plan_for(kv: str) -> KVPlan:
         return plan_capacity(
             shape,
             gpu,
             agents=o.agents,
             kv_dtype=kv,
-            weight_dtype="fp8" if weights else "auto",
+            weight_dtype="fp8" if fp8_weights else "auto",
             max_model_len=o.max_model_len,
             gpu_memory_utilization=o.gpu_memory_utilization,
             params=o.params,
@@ -682,10 +681,9 @@ def select_flags(
         ),
         0,
     )
-    bf16_weights_gib = plan.weights_gib if not fp8_weights else _bf16_weights_gib(shape, plan)
     flags = [
         *_cuda_graphs(gpu, o, plan, draft),
-        *_fp8(gpu, shape, o, plan, plan_for("auto") if fp8_kv else plan, bf16_weights_gib),
+        *_fp8(gpu, shape, o, plan, plan_for("auto") if fp8_kv else plan),
         *_prefix_caching(o),
         *speculative,
         *_capacity(gpu, shape, o, plan),
@@ -693,8 +691,3 @@ def select_flags(
         *_environment(gpu),
     ]
     return FlagPlan(gpu=gpu, shape=shape, plan=plan, overrides=o, family=family, flags=flags)
-
-
-def _bf16_weights_gib(shape: ModelShape, plan: KVPlan) -> float:
-    """What the weights would take without FP8, for the reason's comparison."""
-    return plan.params * shape.dtype_bytes / 1024**3

@@ -422,11 +422,12 @@ def serve(args: argparse.Namespace, plan: FlagPlan, model: hub.ResolvedModel) ->
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server: Server | None = None
+    command = vllm_command(model.path)
     try:
         for attempt in range(1, PORT_ATTEMPTS + 1):
             port = args.port or free_port(args.host)
             extra = server_flags(args, name, port, key_file)
-            argv = vllm_argv(vllm_command(model.path), extra, plan, args.extra_arg)
+            argv = vllm_argv(command, extra, plan, args.extra_arg)
             url = f"http://{public_host(args.host)}:{port}/v1"
             local_url = f"http://127.0.0.1:{port}/v1" if args.host in ("0.0.0.0", "::", "") else url
             started = dt.datetime.now(dt.UTC)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,11 +132,11 @@ def corpus(n_lines: int = 3000, seed: int = SEED) -> list[str]:
 
 
 def build_tokenizer(
-    outdir: Path, spec: FamilySpec, vocab_size: int = 2048
+    outdir: Path, spec: FamilySpec, vocab_size: int = 2048, texts: Iterable[str] | None = None
 ) -> tuple[int, dict[str, int]]:
-    """Train a byte-level BPE on the corpus with the family's tokens; write tokenizer.json and
-    its config (with the chat template). Returns the vocabulary size and the family's tokens'
-    ids."""
+    """Train a byte-level BPE on ``texts`` (default: the synthetic corpus) with the family's
+    tokens; write tokenizer.json and its config (with the chat template). Returns the vocabulary
+    size and the family's tokens' ids."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -147,7 +148,7 @@ def build_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus() if texts is None else texts, trainer=trainer)
     # markers stay in decoded text (as in the families' own tokenizers), yet encode as one token
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.markup])
     tok.save(str(outdir / "tokenizer.json"))
@@ -201,8 +202,15 @@ def _model_config(spec: FamilySpec, vocab: int, ids: dict[str, int]):
     return transformers.Qwen3Config(**shape), transformers.Qwen3ForCausalLM
 
 
-def build_tiny_model(outdir: str | Path, family: str = "qwen3", seed: int = SEED) -> Path:
-    """Write a loadable checkpoint of ``family`` (a key of FAMILIES) with its tokenizer."""
+def build_tiny_model(
+    outdir: str | Path,
+    family: str = "qwen3",
+    seed: int = SEED,
+    vocab_size: int = 2048,
+    texts: Iterable[str] | None = None,
+) -> Path:
+    """Write a loadable checkpoint of ``family`` (a key of FAMILIES) with its tokenizer, a BPE of
+    ``vocab_size`` trained on ``texts`` (default: the synthetic corpus)."""
     import torch
 
     if family not in FAMILIES:
@@ -210,7 +218,7 @@ def build_tiny_model(outdir: str | Path, family: str = "qwen3", seed: int = SEED
     spec = FAMILIES[family]
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab, ids = build_tokenizer(out, spec)
+    vocab, ids = build_tokenizer(out, spec, vocab_size, texts)
     config, model_class = _model_config(spec, vocab, ids)
     torch.manual_seed(seed)
     model = model_class(config).to(torch.bfloat16)
