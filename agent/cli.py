@@ -13,6 +13,8 @@ import importlib
 import sys
 from importlib import metadata
 
+from agent.netenv import bypass_proxy_for_local
+
 SUBCOMMANDS = {
     "run": ("agent.runner", "analyse one sample with the agent loop"),
     "synth": ("agent.data.synthetic", "write a synthetic sample or the demo cohort"),
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in SUBCOMMANDS:
         parser.parse_args(argv)  # usage, --help, --version, or the unknown subcommand's error
         return 2
+    bypass_proxy_for_local()  # before any client exists: a node's http_proxy never sees loopback
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
     cmd = argparse.ArgumentParser(
         prog=f"python -m agent {argv[0]}",

@@ -39,6 +39,12 @@ class RunConfig(BaseModel):
         description="column of the gene annotations (var) holding gene symbols, as load_data's "
         "gene_symbols ('var_names' keeps Ensembl IDs knowingly)",
     )
+    celltypist_model: Path | None = Field(
+        None,
+        description="CellTypist model file (.pkl, e.g. from celltypist.train) whose labels become "
+        "the cell types, voted per Leiden cluster (annotate_celltypist; default: marker sets "
+        "only); its sha256 is one of the run's settings",
+    )
     policy: Literal["reference", "llm", "replay"] = Field(
         "reference",
         description="who decides the next call: the reference recipe, a model, or a record",
@@ -113,6 +119,8 @@ class RunConfig(BaseModel):
             raise ValueError(
                 "--policy llm needs --endpoint-file FILE, or --base-url URL and --model NAME"
             )
+        if self.celltypist_model is not None and not self.celltypist_model.is_file():
+            raise ValueError(f"--celltypist-model {self.celltypist_model}: no such file")
         return self
 
     @property

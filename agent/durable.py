@@ -3,6 +3,7 @@
 - ``atomic_write`` / ``atomic_write_json`` / ``atomic_write_h5ad``: a temporary file in the same
   folder, then a rename, so readers see the old file or the whole new one.
 - ``write_private``: a file only its owner can read (API keys).
+- ``check_hard_links``: refuse a folder whose file system cannot keep linked copies.
 - ``RecordWriter``: the world state's append-and-rename save, published under a name and its
   hard-linked copies.
 """
@@ -127,6 +128,40 @@ def write_private(path: Path, text: str) -> None:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
+
+
+class Unsupported(Exception):
+    """The output folder's file system lacks what a run relies on (hard links, locks): no rerun
+    on it can do better, so the run is refused before it starts."""
+
+
+# errno of a file system that cannot do an operation at all (as opposed to failing it this time)
+NOT_SUPPORTED = frozenset(
+    getattr(errno, name)
+    for name in ("EPERM", "EOPNOTSUPP", "ENOTSUP", "ENOSYS", "ENOLCK")
+    if hasattr(errno, name)
+)
+
+
+def check_hard_links(folder: Path) -> None:
+    """Refuse a folder whose file system cannot hard-link: the record, metrics, final data and
+    plots are kept as links beside the checkpoints, which survive Snakemake's clean-up."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / f".links.{os.getpid()}"
+    probe.touch()
+    try:
+        os.link(probe, probe.with_name(probe.name + ".2"))
+    except OSError as e:
+        if e.errno not in NOT_SUPPORTED:
+            raise
+        raise Unsupported(
+            f"{folder} is on a file system without hard links ({e.strerror}): the copies that "
+            "keep a sample's outputs through Snakemake's clean-up need them; write the results "
+            "to another file system (a rerun here would end the same)"
+        ) from None
+    finally:
+        probe.unlink()
+    probe.with_name(probe.name + ".2").unlink()
 
 
 def _unchanged(path: Path, stamp: _Stamp) -> bool:

@@ -237,6 +237,21 @@ def probe(base_url: str, api_key: str | None = None, model: str | None = None) -
     return None if model in ids else f"/v1/models lists {ids}, not {model!r}"
 
 
+# How long to wait for a server no launcher starts: a restart of a running one at most
+UNLAUNCHED_WAIT_S = 30.0
+
+
+def _launched(endpoint_file: str | Path) -> bool:
+    """Whether the file names the launcher or server process that wrote it."""
+    try:
+        info = json.loads(Path(endpoint_file).read_text())
+    except (OSError, ValueError):
+        return True  # gone or torn: the launcher's own business, the full wait decides
+    return isinstance(info, dict) and any(
+        isinstance(info.get(k), int) for k in ("launcher_pid", "pid")
+    )
+
+
 def wait_until_ready(
     base_url: str,
     api_key: str | None = None,
@@ -251,8 +266,13 @@ def wait_until_ready(
     Agents call this before their first request: a server in the same allocation may still be
     loading weights when the agent starts. A refused key ends the wait at once (KeyRefused);
     ``key_file`` and ``endpoint_file``, where the key and URL came from, are named in the errors.
+    An endpoint file that names no launcher (written by hand for a running server) has no server
+    starting behind it: that wait is cut to UNLAUNCHED_WAIT_S.
     """
     start = time.monotonic()
+    unlaunched = endpoint_file is not None and not _launched(endpoint_file)
+    if unlaunched:
+        timeout_s = min(timeout_s, UNLAUNCHED_WAIT_S)
     while True:
         try:
             problem = probe(base_url, api_key, model)
@@ -263,6 +283,8 @@ def wait_until_ready(
             return waited
         if waited >= timeout_s:
             where = f"; {describe(endpoint_file)}" if endpoint_file else ""
+            if unlaunched:
+                where += " (it names no launcher, so no server is starting: start it first)"
             raise EndpointError(
                 f"server {base_url} not ready after {waited:.0f} s: {problem}{where}"
             )

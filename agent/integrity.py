@@ -18,6 +18,7 @@ from agent.layout import SampleLayout
 from agent.world_state import WorldState, link, seal
 
 NO_CHAIN = "record has no hash chain (made before it existed)"
+CHAINED = 2  # meta.record_version from which a record must carry its chain and seal
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,11 @@ class Problem:
 
 
 def unchained(world: WorldState) -> bool:
-    """A record made before entries were chained and meta sealed: those cannot be checked."""
-    return "seal" not in world.meta and not any(e.chain for e in world.entries)
+    """A record made before entries were chained and meta sealed: those cannot be checked. Its
+    version says so; a newer record without them had them removed."""
+    meta = world.meta
+    old = meta.get("record_version", 1) < CHAINED
+    return old and "seal" not in meta and not any(e.chain for e in world.entries)
 
 
 def check_record(world: WorldState, folder: Path, final: bool = True) -> list[Problem]:
@@ -81,6 +85,9 @@ def _digests(world: WorldState) -> list[Problem]:
 def _chain(world: WorldState) -> list[Problem]:
     previous = ""
     for e in world.entries:
+        if e.chain is None:
+            what = f"entry of step {e.step} ({e.tool}) has no chain: it was removed"
+            return [Problem(e.step, what)]
         if e.chain != link(previous, e.to_json()):
             what = f"entry of step {e.step} ({e.tool}) was altered or an entry before it removed"
             return [Problem(e.step, what)]

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-# Names inside a sample's folder. Kept beside the checkpoints are copies (hard links) of the
-# record and the metrics: Snakemake deletes the declared outputs of a failed job, and a resumed
-# job reads the copies, which it does not own.
+# Names inside a sample's folder. Kept beside the checkpoints are copies (hard links) of every
+# published file (record, metrics, final data, plots): Snakemake deletes a job's declared outputs
+# when it fails (also after the agent finished, e.g. an input "newer" than its outputs), and a
+# resumed or kept job reads the copies, which Snakemake does not own, and publishes them again.
 RECORD = "world_state.json"
 METRICS = "metrics.jsonl"
 FINAL = "adata.h5ad"
@@ -70,6 +71,23 @@ class SampleLayout:
     @property
     def metrics_copy(self) -> Path:
         return self.checkpoints / METRICS
+
+    @property
+    def final_copy(self) -> Path:
+        return self.checkpoints / FINAL
+
+    @property
+    def plots_copy(self) -> Path:
+        return self.checkpoints / PLOTS
+
+    def kept_copies(self) -> dict[Path, Path]:
+        """Each published file or folder and its copy beside the checkpoints."""
+        return {
+            self.record: self.record_copy,
+            self.metrics: self.metrics_copy,
+            self.final: self.final_copy,
+            self.plots: self.plots_copy,
+        }
 
     @property
     def lock(self) -> Path:

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from agent.durable import NOT_SUPPORTED, Unsupported
 from agent.provenance import now
 
 
@@ -38,6 +39,31 @@ def _describe(doc: dict[str, Any]) -> str:
     return f"pid {doc.get('pid')} on {doc.get('host')}{job}, since {doc.get('since')}"
 
 
+def _who(text: bytes) -> str:
+    try:
+        return _describe(orjson.loads(text)) if text.strip() else "another process"
+    except orjson.JSONDecodeError:
+        return "another process"
+
+
+def holder_of(path: Path) -> str | None:
+    """Who holds the lock at ``path`` now (None: nobody, or no lock file), without taking it for
+    longer than the test: the workflow asks before it deletes a folder's outputs."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return _who(os.pread(fd, 4096, 0))
+        return None  # locks unsupported: the run itself refuses and says so
+    finally:
+        os.close(fd)  # closing releases a lock taken
+    return None
+
+
 class FolderLock:
     """``with FolderLock(path): ...`` holds ``path`` (created if needed) or raises FolderBusy."""
 
@@ -55,12 +81,19 @@ class FolderLock:
             text = os.pread(fd, 4096, 0)
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                who = _describe(orjson.loads(text)) if text.strip() else "another process"
                 raise FolderBusy(
-                    f"{self.path.parent} is being written by another run ({who}); "
-                    "one run per sample folder: wait for it to end, or stop it first"
+                    f"{self.path.parent} is being written by another run ({_who(text)}); "
+                    "one run per sample folder and one results folder per workflow: wait for "
+                    "it to end, or stop it first"
                 ) from None
-            raise  # e.g. ENOLCK: a file system without locks must not be written unguarded
+            if e.errno in NOT_SUPPORTED:  # a file system must not be written unguarded
+                raise Unsupported(
+                    f"cannot lock {self.path}: its file system does not support flock "
+                    f"({e.strerror}), so one writer per sample folder cannot be guaranteed; "
+                    "write the results to a file system with locks (local disk, NFSv4, Lustre "
+                    "mounted with -o flock)"
+                ) from None
+            raise
         old = os.pread(fd, 4096, 0)
         if old.strip():  # a holder that died without letting go: the kernel already has
             try:

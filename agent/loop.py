@@ -21,6 +21,7 @@ from agent.world_state import Entry, WorldState
 
 NO_CALL = "(no tool call)"
 LOAD = "load_data"  # the tool that reads the input: while it has not succeeded, there are no data
+CALL_CELLS = "call_cells"  # decides whether the data hold cells at all (agent/tools/cells.py)
 NUDGE = "Your last reply had no valid tool call. Call one of the tools; call finish when the analysis is done."
 
 
@@ -112,11 +113,18 @@ def run_loop(
 
 def input_refusal(world: WorldState) -> str | None:
     """Why the input was refused: the last load_data error, when load_data failed and never
-    succeeded (None otherwise)."""
+    succeeded; or the last call_cells error, when it failed and never succeeded on the data
+    loaded (droplets whose cells cannot be told from empty ones). None otherwise."""
     loads = [e for e in world.entries if e.tool == LOAD]
-    if not loads or any(e.status == "ok" for e in loads):
+    if not loads:
         return None
-    return loads[-1].error
+    loaded = [e.step for e in loads if e.status == "ok"]
+    if not loaded:
+        return loads[-1].error
+    calls = [e for e in world.entries if e.tool == CALL_CELLS and e.step > loaded[-1]]
+    if calls and not any(e.status == "ok" for e in calls):
+        return calls[-1].error
+    return None
 
 
 def _report(

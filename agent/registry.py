@@ -62,8 +62,8 @@ def infrastructure_fault(e: BaseException) -> BaseException | None:
 
 
 Kind = Literal[
-    "io", "qc", "cell_filter", "gene_filter", "doublets", "preprocess", "embed", "cluster",
-    "markers", "annotate", "plot", "finish",
+    "io", "cell_calling", "qc", "cell_filter", "gene_filter", "doublets", "preprocess", "embed",
+    "cluster", "markers", "annotate", "plot", "finish",
 ]  # fmt: skip
 
 

@@ -14,12 +14,19 @@ and after. Verdicts:
 - ``diverged at step k``: the first recorded step k whose replay differs beyond that;
 - ``altered at step k`` (``altered`` when only meta is): the record fails its integrity check,
   whatever the comparison found (the summary says both);
-- ``not replayed``: the record cannot be read, or its input is missing or holds other data.
+- ``not replayed``: the record cannot be read, or its input is missing or holds other data;
+  or the machine failed the replay (full disk, I/O error, no memory): no finding about the
+  record, ``machine_fault`` true, exit 4, which the workflow's replay job does not accept, so the
+  next run replays it.
+
+The run's input is compared by content, never by name: a record of version 2 names it
+``<input>`` in load_data's result, and an older record's name for it is read as that.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import shutil
 import sys
@@ -31,9 +38,11 @@ from typing import Any, Literal
 
 from agent.config import RunConfig
 from agent.durable import atomic_write_json
-from agent.integrity import NO_CHAIN, check_record, unchained
+from agent.integrity import CHAINED, NO_CHAIN, check_record, unchained
 from agent.layout import SampleLayout
+from agent.policies.base import PolicyUnavailable
 from agent.provenance import checksum, input_checksums, now, versions
+from agent.registry import InfrastructureError, infrastructure_fault
 from agent.signals import Interrupted, interruptible
 from agent.world_state import Entry, WorldState
 
@@ -50,6 +59,23 @@ class ReplayError(Exception):
 class NotReplayed(Exception):
     """The replay cannot start: the record cannot be read, or its input is missing or holds
     other data."""
+
+
+class MachineFault(NotReplayed):
+    """The machine failed the replay (full disk, I/O error, no memory): nothing is known about
+    the record, and a rerun replays it."""
+
+    def __init__(self, what: str, e: BaseException):
+        super().__init__(
+            f"{what}: {type(e).__name__}: {e} (a fault of the machine; a rerun replays)"
+        )
+
+
+def _machine(e: BaseException) -> bool:
+    return isinstance(e, InfrastructureError | PolicyUnavailable) or bool(infrastructure_fault(e))
+
+
+EXIT_MACHINE = 4
 
 
 @dataclass
@@ -258,6 +284,8 @@ def check_input(recorded: WorldState, source: Path, given: str | Path | None = N
     try:
         sums = input_checksums(path)
     except OSError as e:
+        if _machine(e):
+            raise MachineFault(f"input {path} ({where}) cannot be read", e) from None
         raise NotReplayed(f"input {path} ({where}) cannot be read: {e}") from None
     if checksum(path, sums) == meta["input_sha256"]:
         return path
@@ -276,13 +304,18 @@ def _load(source: Path) -> WorldState:
     try:
         return WorldState.load(source)
     except ValueError as e:
+        if _machine(e):
+            raise MachineFault(f"cannot read {source}", e) from None
         raise NotReplayed(str(e)) from None
 
 
 def _scratch(workdir: str | Path | None) -> tuple[Path, bool]:
     """The scratch folder and whether to remove it afterwards (only one we made ourselves)."""
     if workdir is None:
-        return Path(tempfile.mkdtemp(prefix="scagent-replay-")), True
+        try:
+            return Path(tempfile.mkdtemp(prefix="scagent-replay-")), True
+        except OSError as e:
+            raise MachineFault(f"cannot make a scratch folder in {tempfile.gettempdir()}", e) from e
     path = Path(workdir)
     if path.exists() and any(path.iterdir()):
         # never clear it ourselves: a mistyped path could be a sample's real output folder
@@ -306,6 +339,8 @@ def _replay_config(
         max_steps=max(n_calls, 1),
         fresh=True,
         **({"context_limit": meta["context_limit"]} if meta.get("context_limit") else {}),
+        # annotate_celltypist's default model; the record's sha256 says which content it had
+        **({"celltypist_model": meta["celltypist_model"]} if meta.get("celltypist_model") else {}),
     )
 
 
@@ -315,11 +350,13 @@ def _rerun(
     """Re-issue the recorded successful calls in ``scratch``; (replay status, crash, comparisons)."""
     from agent.runner import run_sample
 
-    calls = [e for e in recorded.entries if e.status == "ok"]
+    calls = [_as_now(e, recorded.meta) for e in recorded.entries if e.status == "ok"]
     problem = None
     try:
         status = run_sample(_replay_config(recorded, source, input_path, scratch, len(calls)))
     except Exception as e:  # a crash is a divergence to report, not a reason to lose it
+        if _machine(e):  # ... unless the machine broke it: then it says nothing of the record
+            raise MachineFault(f"the replay in {scratch} broke", e) from e
         status, problem = "failed", f"{type(e).__name__}: {e}"
     state_file = SampleLayout(scratch).record
     replayed = WorldState.load(state_file).entries if state_file.is_file() else []
@@ -339,6 +376,18 @@ def _rerun(
     return status, problem, steps
 
 
+def _as_now(e: Entry, meta: dict[str, Any]) -> Entry:
+    """A recorded step as this version records it: load_data's result in a record before
+    version 2 names the run's input by its file or folder name, now ``<input>``."""
+    from agent.tools.io import INPUT
+
+    path, name = (e.result or {}).get("path"), Path(meta.get("input") or "").name
+    old = meta.get("record_version", 1) < CHAINED and e.tool == "load_data" and name
+    if old and isinstance(path, str) and (path == name or path.startswith(f"{name}/")):
+        return dataclasses.replace(e, result={**e.result, "path": INPUT + path[len(name) :]})
+    return e
+
+
 def replay(
     world_state: str | Path,
     workdir: str | Path | None = None,
@@ -352,19 +401,21 @@ def replay(
     from agent.tools.session import DIGEST_VERSION  # scanpy and friends: not for usage errors
 
     source = Path(world_state)
-    scratch, remove = _scratch(workdir)
     started, t0 = now(), time.perf_counter()
-    recorded, problems, note, reason = WorldState(), [], None, None
-    status, crash, steps = None, None, []
+    recorded, problems, note, reason, fault = WorldState(), [], None, None, False
+    status, crash, steps, scratch, remove = None, None, [], None, False
     try:
         try:
+            scratch, remove = _scratch(workdir)
             recorded = _load(source)
             problems = check_record(recorded, source.parent)
             note = NO_CHAIN if unchained(recorded) else None
             input_path = check_input(recorded, source, input_path)
             status, crash, steps = _rerun(recorded, source, input_path, scratch, tol)
+        except MemoryError as e:
+            reason, fault = str(MachineFault("the replay ran out of memory", e)), True
         except NotReplayed as e:
-            reason = str(e)
+            reason, fault = str(e), isinstance(e, MachineFault)
     finally:
         if remove:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -394,6 +445,7 @@ def replay(
         "diverged_step": step,
         "summary": summary,
         "integrity": [{"step": p.step, "what": p.what} for p in problems],
+        "machine_fault": fault,
         "tolerance": {
             "rtol": tol.rtol,
             "atol": tol.atol,
@@ -411,7 +463,7 @@ def replay(
         "replay_error": crash,
         "recorded_steps": len(recorded.entries),
         "replayed_calls": len(steps),
-        "workdir": None if remove else str(scratch),
+        "workdir": None if remove or scratch is None else str(scratch),
         "started": started,
         "seconds": round(time.perf_counter() - t0, 3),
         "versions": {"recorded": meta.get("versions"), "replay": versions()},
@@ -449,8 +501,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0 reproduced or within tolerance; 1 diverged, crashed or altered (findings,
     in replay.json); 3 not replayed (unreadable record, input missing or changed; replay.json
-    says why); 2 usage errors (tolerances, no --world-state file, a non-empty --workdir), nothing
-    written; 128+N stopped by signal N, nothing written."""
+    says why); 4 not replayed for a fault of the machine (full disk, I/O error, no memory:
+    replay.json says which, and a rerun replays); 2 usage errors (tolerances, no --world-state
+    file, a non-empty --workdir), nothing written; 128+N stopped by signal N, nothing written."""
     if args.rtol < 0 or args.atol < 0:
         print(
             f"error: tolerances must be >= 0 (rtol={args.rtol}, atol={args.atol})", file=sys.stderr
@@ -471,8 +524,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"replay of {args.world_state}: {e}; nothing written", file=sys.stderr)
         return e.exit_code
     out = Path(args.out) if args.out else SampleLayout(Path(args.world_state).parent).replay
-    atomic_write_json(out, doc, indent=True)
+    try:
+        atomic_write_json(out, doc, indent=True)
+    except OSError as e:
+        if not _machine(e):
+            raise
+        print(f"{doc['sample']}: {doc['summary']}; cannot write {out}: {e}", file=sys.stderr)
+        return EXIT_MACHINE
     print(f"{doc['sample']}: {doc['verdict']} ({doc['summary']}); wrote {out}")
+    if doc["machine_fault"]:
+        return EXIT_MACHINE
     if doc["verdict"] == "not replayed":
         return 3
     return 1 if doc["integrity"] or doc["diverged_step"] is not None or doc["replay_error"] else 0

@@ -102,8 +102,8 @@ def plan(
 def set_aside(layout: SampleLayout) -> None:
     """Before a new analysis: move an earlier one's published files and record to
     ``previous/<its start time>/`` and drop its checkpoints (a new run must never restore them)."""
-    copies = {layout.record: layout.record_copy, layout.metrics: layout.metrics_copy}
-    found = [p for p in [*layout.kept_results(), *copies.values()] if p.exists()]
+    publish(layout)  # whatever Snakemake deleted comes back from its copy, and goes with the rest
+    found = [p for p in layout.kept_results() if p.exists()]
     if found:
         try:
             stamp = WorldState.load(layout.record_copy).meta.get("started") or now()
@@ -114,10 +114,12 @@ def set_aside(layout: SampleLayout) -> None:
             target = target.with_name(target.name + "+")
         target.mkdir(parents=True)
         for p in found:
-            if p in copies and _same_file(p, copies[p]):
-                p.unlink()  # a link of the copy, which is moved
-            elif not (target / p.name).exists():
-                shutil.move(p, target / p.name)
+            shutil.move(p, target / p.name)
+    for copy in layout.kept_copies().values():
+        if copy.is_dir():
+            shutil.rmtree(copy)
+        else:
+            copy.unlink(missing_ok=True)
     if layout.checkpoints.is_dir():
         for p in layout.checkpoints.iterdir():
             if SampleLayout.checkpoint_step(p) is not None:
@@ -131,15 +133,44 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def publish_kept(layout: SampleLayout) -> None:
-    """Publish a kept record and its metrics again (Snakemake deletes a rerun job's outputs): the
-    very files, linked, so bytes and modification times are those of the original run."""
-    for copy, name in ((layout.record_copy, layout.record), (layout.metrics_copy, layout.metrics)):
-        if copy.exists() and not _same_file(copy, name):
-            tmp = name.with_name(f".{name.name}.link")
-            tmp.unlink(missing_ok=True)
-            os.link(copy, tmp)
-            os.replace(tmp, name)
+def _link(source: Path, name: Path) -> None:
+    """``name`` becomes a hard link of ``source``, atomically (a reader sees one or the other)."""
+    if _same_file(source, name):
+        return
+    name.parent.mkdir(parents=True, exist_ok=True)
+    tmp = name.with_name(f".{name.name}.link")
+    tmp.unlink(missing_ok=True)
+    os.link(source, tmp)
+    os.replace(tmp, name)
+
+
+def publish(layout: SampleLayout) -> None:
+    """Keep a copy of every published file beside the checkpoints, and publish again what is
+    gone: Snakemake deletes a job's declared outputs when it fails, even after the agent ended
+    (an input with a modification time in the future) or when the job was another workflow's,
+    refused on this folder. The very files, linked, so bytes and modification times stay those of
+    the run that wrote them. The record's copy is the one the runs write (the name follows it);
+    the final data and plots are written under their names (the copy follows them); metrics rows
+    appended to a name that was deleted and made anew go after the copy's."""
+    if layout.record_copy.exists():
+        _link(layout.record_copy, layout.record)
+    if layout.metrics_copy.exists():
+        _merge_metrics(layout)
+        _link(layout.metrics_copy, layout.metrics)
+    plots = {
+        p.name
+        for folder in (layout.plots, layout.plots_copy)
+        if folder.is_dir()
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".")  # hidden: a write in progress
+    }
+    pairs = [(layout.final, layout.final_copy)]
+    pairs += [(layout.plots / n, layout.plots_copy / n) for n in sorted(plots)]
+    for name, copy in pairs:
+        if name.exists():
+            _link(name, copy)
+        elif copy.exists():
+            _link(copy, name)
 
 
 def catch_up(world: WorldState, session: Any, registry: ToolRegistry) -> dict[str, Any]:
@@ -163,6 +194,19 @@ def catch_up(world: WorldState, session: Any, registry: ToolRegistry) -> dict[st
     return {**done, "rejected_checkpoints": rejected} if rejected else done
 
 
+def _merge_metrics(layout: SampleLayout) -> None:
+    """Rows the loop appended to a metrics file made anew under the name (Snakemake deleted the
+    link while the run went on) go after the kept copy's; rows both hold (a folder copied without
+    its hard links) are not repeated."""
+    path, kept = layout.metrics, layout.metrics_copy
+    if not (path.exists() and kept.exists()) or _same_file(path, kept):
+        return
+    new, old = path.read_bytes(), kept.read_bytes()
+    if not old.endswith(new):
+        with open(kept, "ab") as f:
+            f.write(new[len(old) :] if new.startswith(old) else new)
+
+
 def keep_metrics(layout: SampleLayout, fresh: bool) -> None:
     """The metrics file is a declared output, which Snakemake deletes when a job fails: the loop
     appends to a hard link of a file kept beside the checkpoints, so a resumed run goes on with
@@ -170,6 +214,8 @@ def keep_metrics(layout: SampleLayout, fresh: bool) -> None:
     path, kept = layout.metrics, layout.metrics_copy
     if fresh:
         kept.unlink(missing_ok=True)
+    else:
+        _merge_metrics(layout)
     kept.parent.mkdir(parents=True, exist_ok=True)
     kept.touch()
     path.unlink(missing_ok=True)

@@ -17,12 +17,13 @@ from pydantic import ValidationError
 
 from agent.config import LOAD_OPTIONS, RunConfig
 from agent.context import ContextManager, TokenCounter, tokenizer_estimate
+from agent.durable import Unsupported, check_hard_links
 from agent.lock import FolderBusy, FolderLock
 from agent.loop import input_refusal, run_loop
 from agent.policies import make_policy
 from agent.policies.base import PolicyUnavailable
 from agent.prompts import BRIEF, RESUMED, SYSTEM_PROMPT
-from agent.provenance import checksum, input_checksums, now, versions
+from agent.provenance import checksum, file_sha256, input_checksums, now, versions
 from agent.registry import InfrastructureError
 from agent.resume import (
     CannotReuse,
@@ -30,12 +31,12 @@ from agent.resume import (
     ended_with_finish,
     keep_metrics,
     plan,
-    publish_kept,
+    publish,
     refuse_other_settings,
     remove_temporary,
 )
 from agent.signals import Interrupted, interruptible
-from agent.world_state import WorldState
+from agent.world_state import RECORD_VERSION, WorldState
 
 
 class BadInput(Exception):
@@ -54,6 +55,14 @@ def check_input(config: RunConfig) -> None:
         raise BadInput(
             f"input {path} is not a regular file or folder (expected a 10x folder, .h5 or .h5ad)"
         )
+    ahead = path.stat().st_mtime - time.time()
+    if ahead > 60:  # a node's clock behind the file server's
+        print(
+            f"[{config.sample_name}] input {path} was modified {ahead:.0f} s in the future: "
+            "Snakemake will find every output older than it, fail the job and delete them (copies "
+            "beside the checkpoints keep them); fix the clock or touch the input",
+            file=sys.stderr,
+        )
 
 
 def run_sample(config: RunConfig) -> str:
@@ -71,6 +80,7 @@ def run_sample(config: RunConfig) -> str:
                 file=sys.stderr,
             )
         remove_temporary(layout)
+        check_hard_links(layout.root)
         try:
             sums = input_checksums(config.input)
         except OSError as e:
@@ -82,16 +92,21 @@ def run_sample(config: RunConfig) -> str:
             "seed": config.seed,
             "brief": config.brief,
             **{k: getattr(config, k) for k in LOAD_OPTIONS},
+            # the reference model's content, not its place: a changed model redoes the sample
+            "celltypist_model_sha256": model_sha256(config),
         }
         action, world = plan(layout, wanted, config.max_steps, config.fresh, config.replace_changed)
         if action == "keep":
             return _keep(world, layout)
+        if action == "resume":  # the attempt before's plots, which Snakemake deleted, come back
+            publish(layout)
         if world is None:
             world = WorldState(
                 meta={
                     **wanted,
                     "input": str(config.input.resolve()),
                     "input_files": sums,
+                    "celltypist_model": model_path(config),
                     "started": now(),
                     "resumed": [],
                 }
@@ -107,7 +122,7 @@ def _keep(world: WorldState, layout: Any) -> str:
         meta.update(status="finished", ended=now())
         meta.pop("error", None)
         world.save_record(layout)
-    publish_kept(layout)
+    publish(layout)
     print(
         f"[{meta['sample']}] kept the analysis already in {layout.root} ({meta['status']}, "
         f"{len(world.entries)} steps, ended {meta.get('ended')}); --fresh redoes it",
@@ -132,6 +147,7 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
         seed=config.seed,
         versions=versions(),
         digest_version=DIGEST_VERSION,
+        record_version=RECORD_VERSION,
         host=platform.node(),
         slurm_job_id=os.environ.get("SLURM_JOB_ID"),
         ended=None,
@@ -158,7 +174,10 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
         if config.policy == "llm":  # the only policy that is told anything
             meta["prompt_digest"] = prompt_digest(context.system_prompt, context.tools)
         context.add_user(BRIEF.format(sample=sample, input=config.input.name, brief=_brief(config)))
-        session = Session(layout.root, seed=config.seed, input_path=config.input)
+        session = Session(
+            layout.root, seed=config.seed, input_path=config.input,
+            celltypist_model=config.celltypist_model,
+        )  # fmt: skip
         if world.entries:
             resumed = catch_up(world, session, registry)
             meta["resumed"].append(resumed)
@@ -181,11 +200,11 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
             error=f"{e} after step {world.next_step - 1}; a rerun resumes",
             ended=now(),
         )
-        world.save_record(layout)
+        _record_ending(world, layout)
         raise
     except BaseException as e:
         meta.update(status="failed", error=f"{type(e).__name__}: {e}", ended=now())
-        world.save_record(layout)
+        _record_ending(world, layout)
         raise
     meta.update(status=status, ended=now(), truncations=context.truncations)
     if status == "input_refused":
@@ -194,7 +213,23 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
         last_error = next((e.error for e in reversed(world.entries) if e.error), None)
         meta["error"] = f"run ended without finish ({status}); last error: {last_error}"
     world.save_record(layout)
+    publish(layout)
     return status
+
+
+def _record_ending(world: WorldState, layout: Any) -> None:
+    """Save the record that says how a run broke off, and keep copies of what it published. When
+    even that fails (the disk is full), the log says so: the record still says running."""
+    try:
+        world.save_record(layout)
+        publish(layout)
+    except OSError as e:
+        print(
+            f"[{world.meta.get('sample')}] could not save the record to say "
+            f"{world.meta['status']!r} ({world.meta.get('error')}): {e}; {layout.record_copy} "
+            f"still says running after step {world.next_step - 1}, and a rerun resumes from it",
+            file=sys.stderr,
+        )
 
 
 def prompt_digest(system_prompt: str, tools: list[dict[str, Any]]) -> str:
@@ -205,11 +240,33 @@ def prompt_digest(system_prompt: str, tools: list[dict[str, Any]]) -> str:
     return hashlib.sha256(sent).hexdigest()
 
 
+def model_path(config: RunConfig) -> str | None:
+    """The run's CellTypist model as an absolute path (replay passes it on), None without one."""
+    return str(config.celltypist_model.resolve()) if config.celltypist_model else None
+
+
+def model_sha256(config: RunConfig) -> str | None:
+    """sha256 of the run's CellTypist model, None without one."""
+    if config.celltypist_model is None:
+        return None
+    try:
+        return file_sha256(config.celltypist_model)
+    except OSError as e:
+        raise InfrastructureError(f"cannot read {config.celltypist_model}: {e}") from e
+
+
 def _brief(config: RunConfig) -> str:
-    """The sample's instructions, with the load_data arguments its run options set."""
+    """The sample's instructions, with the load_data arguments its run options set and the
+    reference model it gives."""
     options = ", ".join(f"{k}={v!r}" for k, v in config.load_options.items())
     load = f"Load the counts with load_data({options})." if options else ""
-    return " ".join(part for part in (config.brief, load) if part)
+    model = (
+        f"A CellTypist reference model ({config.celltypist_model.name}) is given: label the cell "
+        "types with annotate_celltypist (marker sets may be compared under another key_added)."
+        if config.celltypist_model
+        else ""
+    )
+    return " ".join(part for part in (config.brief, load, model) if part)
 
 
 # Exit statuses of `agent run`: documented in its --help and in main's docstring.
@@ -217,8 +274,9 @@ EXIT_INPUT_REFUSED = 3
 EXIT_STATUSES = (
     "exit status: 0 the analysis ended with a complete record (finished, or unfinished after "
     "repeated failures or at the step limit); 1 something outside the analysis broke it (server, "
-    "I/O, folder in use): a rerun resumes; 2 refused before starting (options, missing input, an "
-    f"earlier record with other settings); {EXIT_INPUT_REFUSED} the input was refused (load_data "
+    "I/O, too little memory or disk for the input, folder in use): a rerun resumes; 2 refused "
+    "before starting (options, missing input, an earlier record with other settings, an output "
+    f"folder without hard links or locks); {EXIT_INPUT_REFUSED} the input was refused (load_data "
     "could not read counts from it; the record says why in meta.error); 128+N stopped by signal N"
 )
 
@@ -231,8 +289,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0 when the run ended with a complete record, even an unfinished analysis
     (repeated failures, step limit: the report shows it as failed); 1 when something outside the
-    analysis broke it (server gone, I/O error, folder busy): a retry resumes it; 2 when it was
-    refused before starting (options, input, an earlier record with other settings); 3 when the
+    analysis broke it (server gone, I/O error, too little memory for the input, folder busy): a
+    retry (with more memory) resumes it; 2 when it was refused before starting (options, input,
+    an earlier record with other settings, a folder without hard links or locks); 3 when the
     input was refused (load_data could not read counts from it and no option it names helped:
     the record says why; a rerun with the same input and options ends the same); 128+N when
     signal N stopped it (the record says so; a rerun resumes).
@@ -261,7 +320,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         with interruptible():
             status = run_sample(config)
-    except (BadInput, CannotReuse) as e:  # refused: nothing of this run was recorded
+    except (BadInput, CannotReuse, Unsupported) as e:  # refused: nothing of this run recorded
         print(f"{name}: {e}", file=sys.stderr)
         return 2
     except FolderBusy as e:  # another run writes the record: not this run's to summarise

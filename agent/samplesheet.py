@@ -172,7 +172,8 @@ def validate_rows(sheet: Sheet, schema: dict[str, Any]) -> None:
 
 def check_samples(sheet: Sheet, made_by_workflow: Callable[[str], bool], hint: str = "") -> None:
     """Sheet-level rules the schema cannot state: unique names; inputs that exist, or that the
-    workflow makes (``made_by_workflow(path)``; ``hint`` says which those are)."""
+    workflow makes (``made_by_workflow(path)``; ``hint`` says which those are); model files that
+    exist."""
     first_line: dict[str, int] = {}
     for i, row in enumerate(sheet.rows):
         name, line = row["sample"], sheet.lines[i]
@@ -184,6 +185,13 @@ def check_samples(sheet: Sheet, made_by_workflow: Callable[[str], bool], hint: s
             raise sheet.error(
                 i, "path",
                 f"{path!r} does not exist (relative paths are from {Path.cwd()}{hint})",
+            )  # fmt: skip
+        model = row.get("celltypist_model")
+        if model and not os.path.isfile(model):
+            raise sheet.error(
+                i, "celltypist_model",
+                f"{model!r} is not a file (expected a CellTypist model .pkl; relative paths are "
+                f"from {Path.cwd()})",
             )  # fmt: skip
 
 

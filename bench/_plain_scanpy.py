@@ -32,11 +32,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-import pandas as pd
 import scanpy as sc
 from scipy import sparse
 
-from agent.tools.annotate import _label, _match_genes, _parse_marker_sets, default_marker_sets
+from agent.tools.annotate import (
+    _decide,
+    _match_genes,
+    _parse_marker_sets,
+    default_marker_sets,
+    evidence_table,
+)
 from agent.tools.cluster import (
     LEIDEN_ARGS,
     _expression,
@@ -118,7 +123,7 @@ def qc_metrics(
     s: Plain,
     result: dict,
     mt_prefix: str | None = None,
-    ribo_prefixes: list[str] | None = None,
+    ribo_pattern: str | None = None,
     hb_pattern: str | None = None,
     **_: Any,
 ) -> None:
@@ -126,7 +131,7 @@ def qc_metrics(
     # the patterns used, which a record leaves as None-defaults where the species chose them
     patterns = (
         result.get("patterns")
-        or _species_patterns(adata.var_names, mt_prefix, ribo_prefixes, hb_pattern)["patterns"]
+        or _species_patterns(adata.var_names, mt_prefix, ribo_pattern, hb_pattern)["patterns"]
     )
     for name, mask in gene_masks(adata.var_names, **patterns).items():
         adata.var[name] = mask
@@ -255,6 +260,8 @@ def annotate_clusters(
     groupby: str,
     key_added: str,
     min_score: float,
+    min_detection: float,
+    top_ranked: int,
     markers_file: str | None = None,
     **_: Any,
 ) -> None:
@@ -268,13 +275,12 @@ def annotate_clusters(
         path = s.path(markers_file)
         sets = _parse_marker_sets(json.loads(path.read_text()), str(path))
     usable, _ = _match_genes(sets, names)
-    scores = {}
-    for i, (name, genes) in enumerate(usable.items()):
-        column = f"_annotate_score_{i}"
-        sc.tl.score_genes(adata, genes, score_name=column, use_raw=adata.raw is not None,
-                          random_state=s.seed)  # fmt: skip
-        scores[name] = adata.obs.pop(column).groupby(clusters.to_numpy()).mean()
-    labels = {str(c): _label(row, min_score) for c, row in pd.DataFrame(scores).iterrows()}
+    thresholds = (min_score, min_detection, top_ranked)
+    table, _ = evidence_table(adata, usable, clusters, groupby, species, s.seed, thresholds)
+    labels = {
+        c: _decide(evidence.set_index("cell_type"), thresholds)
+        for c, evidence in table.groupby("cluster", sort=False)
+    }
     mapping = {c: e["label"] for c, e in labels.items()}
     ambiguous = {c: f"{e['label']}|{e['runner_up']}" for c, e in labels.items() if e["ambiguous"]}
     adata.obs[key_added] = clusters.map(mapping).astype("category")

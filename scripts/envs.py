@@ -37,8 +37,8 @@ CONDA_NAMES = {
     "matplotlib": "matplotlib-base",
     "docstring-parser": "docstring_parser",
 }
-# not on conda-forge: installed by pip inside the conda environment
-PIP_IN_CONDA = {"rocrate"}
+# not on conda-forge: installed by pip inside the conda environment (celltypist: bioconda only)
+PIP_IN_CONDA = {"rocrate", "celltypist"}
 # the serve rule's image: the official vLLM image of the release the project pins
 VLLM_IMAGE = "docker://vllm/vllm-openai:v{version}"
 # the agent image's base: the Python release the project supports (requires-python)

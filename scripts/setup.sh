@@ -2,7 +2,22 @@
 # Creates .venv with the package installed (editable). --test adds vLLM for CPU and the test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
+# Python 3.11 or newer (pyproject's requires-python): the first of these names that is one
+python=""
+for candidate in "${PYTHON:-}" python3 python3.13 python3.12 python3.11; do
+  if [[ -n "$candidate" ]] && command -v "$candidate" >/dev/null \
+    && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then
+    python=$candidate
+    break
+  fi
+done
+if [[ -z "$python" ]]; then
+  found=$(python3 --version 2>&1 | head -n 1 || true)
+  echo "setup.sh: error: needs Python 3.11 or newer (python3 here: ${found:-none}); load one" \
+    "(e.g. 'module load python/3.11') or name it: PYTHON=/path/to/python3.11 bash scripts/setup.sh" >&2
+  exit 2
+fi
+"$python" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 if [[ "${1:-}" == "--test" ]]; then

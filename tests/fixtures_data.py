@@ -14,6 +14,7 @@ import pytest
 
 from agent.data.synthetic import DEMO_COHORT, SampleSpec, truth_path, write_sample
 from agent.policies.reference import ReferencePolicy
+from agent.provenance import file_sha256
 from agent.registry import Outcome
 from agent.report.truth import read_truth, score
 from agent.tools import build_registry
@@ -37,11 +38,17 @@ def run_reference(
     seed: int = 0,
     max_steps: int = 60,
     stop_after: str | None = None,
+    celltypist_model: Path | None = None,
 ) -> tuple[Session, WorldState]:
-    """The reference analysis of one sample, step by step; stops after finish (or stop_after)."""
+    """The reference analysis of one sample, step by step; stops after finish (or stop_after).
+    ``celltypist_model``: the run's model, as --celltypist-model gives it (meta as the runner
+    writes it)."""
     registry = REGISTRY
-    session = Session(outdir, seed=seed, input_path=input_path)
-    world = WorldState(meta={"input": str(input_path)})
+    session = Session(outdir, seed=seed, input_path=input_path, celltypist_model=celltypist_model)
+    meta = {"input": str(input_path)}
+    if celltypist_model is not None:
+        meta["celltypist_model_sha256"] = file_sha256(celltypist_model)
+    world = WorldState(meta=meta)
     policy = ReferencePolicy(registry)
     for _ in range(max_steps):
         decision = policy.decide([], registry.schemas(), world)

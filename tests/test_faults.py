@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,11 +24,16 @@ from pathlib import Path
 
 import pytest
 
+from agent.durable import Unsupported
+from agent.integrity import check_record, unchained
 from agent.layout import SampleLayout
+from agent.resume import keep_metrics, publish
+from agent.runner import _record_ending
 from agent.testing.local_server import REPO, launcher_stderr, stop_launcher
+from agent.tools.input_size import cgroup_room
 from agent.world_state import WorldState
 from tests.fixtures_vllm import group_alive, start_server, vllm_skip_reason
-from tests.fixtures_workflow import workflow_env
+from tests.fixtures_workflow import make_workflow_dir, workflow_env
 from tests.test_runner import facts, run_cmd, steps_done
 
 SAMPLE = "small"
@@ -407,3 +413,253 @@ def test_sigterm_to_a_replay_removes_its_scratch_folder(baseline_dir, tmp_path):
     assert proc.wait(60) == 128 + signal.SIGTERM, read(log)
     assert "stopped by SIGTERM; nothing written" in read(log)
     assert list(scratch_parent.iterdir()) == [] and not out.exists()
+
+
+def test_too_little_memory_is_a_fault_of_the_job_and_a_rerun_with_more_goes_on(
+    baseline, small_input, tmp_path
+):
+    """A job given too little memory for its input (Slurm's own figure, SLURM_MEM_PER_NODE, as
+    Slurm sets it for a job with --mem) is no verdict on the sample: exit 1, which Snakemake
+    retries with more, the record says failed and why, and the rerun with more memory (the
+    workflow's --replace-changed too) analyses it instead of keeping a refusal."""
+    outdir = tmp_path / "out"
+    cmd = run_cmd(small_input, outdir, "--replace-changed", sample=SAMPLE)
+    short = subprocess.run(
+        cmd, cwd=REPO, env={**ENV, "SLURM_MEM_PER_NODE": "1"}, capture_output=True, text=True
+    )
+    assert short.returncode == 1, short.stderr
+    assert "SLURM_MEM_PER_NODE=1 MB); give the job more memory" in short.stderr
+    assert "a rerun resumes" in short.stderr and "Traceback" not in short.stderr
+    world = WorldState.load(SampleLayout(outdir).record_copy)
+    assert world.meta["status"] == "failed" and "MemoryError" in world.meta["error"]
+    assert world.entries == []  # no refusal was recorded as the sample's result
+    more = run([*cmd, "--max-steps", "1"])  # the first step shows it: not a whole analysis again
+    assert more.returncode == 0, more.stderr
+    assert facts(WorldState.load(outdir / "world_state.json")) == facts(baseline)[:1]
+
+
+def test_the_memory_limit_is_read_from_cgroup_v1_and_v2(tmp_path):
+    """cgroup v1 and v2 trees written into a folder (the test cannot set the machine's
+    cgroups): the limit less usage, page cache added back, of the cgroup and those above it."""
+    v1 = tmp_path / "memory" / "slurm" / "job_7"
+    (v1 / "step_0").mkdir(parents=True)
+    for folder, limit in ((v1, 700 << 20), (v1 / "step_0", 2**63 - 4096)):  # the step: no limit
+        (folder / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (folder / "memory.usage_in_bytes").write_text(f"{300 << 20}\n")
+        (folder / "memory.stat").write_text(f"total_inactive_file {100 << 20}\ncache 0\n")
+    v2 = tmp_path / "job_8"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{3 << 30}\n")
+    (v2 / "memory.current").write_text(f"{1 << 30}\n")
+    (v2 / "memory.stat").write_text("inactive_file 0\n")
+    lines = ["12:memory:/slurm/job_7/step_0", "3:cpu,cpuacct:/slurm/job_7", "0::/job_8"]
+    assert cgroup_room(lines, tmp_path) == [
+        (500 << 20, f"the memory limit of cgroup {v1}"),
+        (2 << 30, f"the memory limit of cgroup {v2}"),
+    ]
+
+
+@pytest.fixture
+def small_tmpdir(tmp_path):
+    """An 8 MiB tmpfs (root only; the test is skipped elsewhere), unmounted afterwards."""
+    folder = tmp_path / "tmpfs"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_full_tmpdir_during_replay_is_not_replayed_and_the_next_run_replays(
+    baseline_dir, small_tmpdir, tmp_path
+):
+    """A replay whose scratch folder fills up says "not replayed" and why, never "diverged";
+    exit 4, which the workflow's replay job does not accept, so the next run replays it: with
+    the space back, reproduced."""
+    out = tmp_path / "replay.json"
+    cmd = [sys.executable, "-m", "agent", "replay", "--world-state"]
+    cmd += [str(baseline_dir / "world_state.json"), "--out", str(out)]
+    full = subprocess.run(
+        cmd, cwd=REPO, env={**ENV, "TMPDIR": str(small_tmpdir)}, capture_output=True, text=True
+    )
+    assert full.returncode == 4, full.stdout + full.stderr
+    doc = json.loads(out.read_text())
+    assert doc["verdict"] == "not replayed" and doc["machine_fault"] and doc["steps"] == []
+    assert "No space left on device" in doc["summary"] and "a rerun replays" in doc["summary"]
+    assert list(small_tmpdir.iterdir()) == []  # its scratch folder went
+    back = run(cmd)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert json.loads(out.read_text())["verdict"] == "reproduced"
+
+
+def test_a_record_stripped_of_its_chain_and_seal_is_altered(baseline_dir, tmp_path):
+    """An edited result, then every entry's chain and the seal deleted: a record of this version
+    must carry them, so that is an alteration, not an old record. Only a record whose version
+    predates the chain (no record_version) is let through with a note."""
+    doc = json.loads((baseline_dir / "world_state.json").read_text())
+    doc["entries"][4]["result"]["n_cells"] = 1
+    for e in doc["entries"]:
+        del e["chain"]
+    del doc["meta"]["seal"]
+    stripped = tmp_path / "world_state.json"
+    stripped.write_text(json.dumps(doc))
+    problems = check_record(WorldState.load(stripped), baseline_dir)
+    assert [(p.step, p.what) for p in problems] == [
+        (1, "entry of step 1 (load_data) has no chain: it was removed"),
+        (None, "meta has no seal though the record says finished"),
+    ]
+    del doc["meta"]["record_version"]  # as records made before the chain are
+    stripped.write_text(json.dumps(doc))
+    old = WorldState.load(stripped)
+    assert unchained(old) and check_record(old, baseline_dir) == []
+
+
+def test_outputs_snakemake_deletes_come_back_and_a_second_workflow_is_stopped(
+    workflow_dir, baseline, small_input, tmp_path
+):
+    """Clock skew: an input modified in the future makes Snakemake fail the job after the agent
+    finished and delete its outputs; the copies beside the checkpoints keep them, and the next
+    run (clock fixed) keeps the analysis and publishes them again, plots included. A second
+    workflow on the same results folder (its results/ a link to the first's) stops before any
+    job while the folder's lock is held; the holder here is a real process holding the lock as
+    an agent does (the test does not need a second analysis for it)."""
+    data = tmp_path / "data" / "small.h5ad"
+    data.parent.mkdir()
+    shutil.copy(small_input, data)
+    future = time.time() + 3600
+    os.utime(data, (future, future))
+    workflow_dir.write_sheet([{"sample": SAMPLE, "path": str(data), "brief": "--focus on T cells"}])
+    target = f"results/samples/{SAMPLE}/world_state.json"
+    layout = SampleLayout(workflow_dir.path / "results" / "samples" / SAMPLE)
+    skewed = workflow_dir.snakemake("--cores", "1", target)
+    log = workflow_dir.path / "logs" / "analyze" / f"{SAMPLE}.log"
+    assert "s in the future: Snakemake will find every output older" in log.read_text()
+    assert skewed.returncode != 0 and not layout.record.exists(), skewed.stdout
+    kept = WorldState.load(layout.record_copy)
+    assert kept.meta["status"] == "finished" and kept.meta["brief"] == "--focus on T cells"
+    plots = {p.name: p.read_bytes() for p in layout.plots_copy.iterdir()}
+    rows = layout.metrics_copy.read_bytes()
+    assert plots and rows.count(b"\n") >= len(baseline.entries) - 1
+
+    os.utime(data, (time.time() - 60, time.time() - 60))  # the clock fixed
+    again = workflow_dir.snakemake("--cores", "1", target)
+    assert again.returncode == 0, again.stdout
+    assert "kept the analysis" in log.read_text()
+    attempts = log.with_name(f"{SAMPLE}.attempts.log").read_text()  # the first one's log too
+    assert attempts.count(" host ") == 2 and "s in the future" in attempts
+    assert facts(WorldState.load(layout.record)) == facts(baseline)
+    shown = {p.name: p.read_bytes() for p in layout.plots.iterdir() if p.name[0] != "."}
+    assert shown == plots  # (Snakemake's hidden timestamp aside)
+    assert layout.metrics.read_bytes() == rows and layout.final.is_file()
+
+    (tmp_path / "second").mkdir()
+    other = make_workflow_dir(tmp_path / "second")
+    other.write_sheet([{"sample": SAMPLE, "path": str(data), "brief": "--focus on T cells"}])
+    (other.path / "results").symlink_to(workflow_dir.path / "results")
+    os.utime(data)  # newer than the outputs: the second workflow would rerun the job
+    hold = "import sys, time; from pathlib import Path; from agent.lock import FolderLock\n"
+    hold += "with FolderLock(Path(sys.argv[1])):\n"
+    hold += "    print('held', flush=True); time.sleep(120)"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(layout.lock)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        second = other.snakemake("--cores", "1", target)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert second.returncode != 0 and "one results folder per workflow" in second.stdout
+    assert f"is being written by another run (pid {holder.pid} on " in second.stdout
+    assert facts(WorldState.load(layout.record)) == facts(baseline)
+    assert layout.metrics.read_bytes() == rows and sorted(p.name for p in layout.plots.iterdir())
+
+
+def test_a_folder_without_hard_links_or_flock_is_refused_in_one_line(
+    small_input, tmp_path, monkeypatch, capsys
+):
+    """File systems without hard links (vfat, some FUSE) or mounted without flock: simulated by
+    the errors their calls return (the test cannot mount one). Refused before anything starts,
+    exit 2, one line; never "a rerun resumes", which cannot happen there."""
+    import errno
+    import fcntl
+
+    from agent import cli
+    from agent.lock import FolderLock
+
+    args = ["run", "--input", str(small_input), "--outdir", str(tmp_path / "out")]
+
+    def no_links(*_):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "is on a file system without hard links (Operation not permitted)" in err
+    assert "a rerun resumes" not in err and len(err.splitlines()) == 1
+    monkeypatch.undo()
+
+    def no_flock(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.raises(Unsupported, match="does not support flock \\(No locks available\\)"):
+        FolderLock(tmp_path / "lock").__enter__()
+    assert cli.main(args) == 2 and "write the results to a file system with locks" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_record_the_full_disk_keeps_running_says_why_in_the_log(tmp_path, monkeypatch, capsys):
+    """ENOSPC at the very save that would say the run failed (simulated at the save: filling
+    the disk under a live run is not repeatable): the log says what the record could not."""
+    world = WorldState(meta={"sample": "s", "status": "failed", "error": "InfrastructureError: x"})
+
+    def full(*_, **__):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(WorldState, "save_record", full)
+    _record_ending(world, SampleLayout(tmp_path))
+    err = capsys.readouterr().err
+    assert "could not save the record to say 'failed' (InfrastructureError: x)" in err
+    assert "No space left on device" in err and "still says running after step 0" in err
+
+
+def test_metrics_rows_written_to_a_name_made_anew_are_kept(tmp_path):
+    """Snakemake deleted metrics.jsonl (another workflow's refused job) while the run went on:
+    the rows the loop then wrote to the new file go after the kept copy's, and a kept rerun
+    publishes them all instead of the copy alone."""
+    layout = SampleLayout(tmp_path)
+    keep_metrics(layout, fresh=True)
+    layout.metrics.write_bytes(b"")  # the loop's first rows...
+    with open(layout.metrics, "ab") as f:
+        f.write(b'{"step": 1}\n')
+    layout.metrics.unlink()  # ...then Snakemake's clean-up, and the loop's open makes it anew
+    layout.metrics.write_bytes(b'{"step": 2}\n')
+    publish(layout)
+    assert layout.metrics.read_bytes() == b'{"step": 1}\n{"step": 2}\n'
+    assert os.path.samefile(layout.metrics, layout.metrics_copy)
+
+
+def test_a_hand_written_endpoint_file_is_not_waited_on_for_long(tmp_path, monkeypatch):
+    """An endpoint file written by hand names no launcher: no server is starting behind it, so
+    the wait is the short one (shortened further here), and the error says why."""
+    from agent import endpoint
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    file = tmp_path / "endpoint.json"
+    file.write_text(
+        json.dumps({"url": f"http://127.0.0.1:{port}/v1", "model": "m", "max_model_len": 4096})
+    )
+    monkeypatch.setattr(endpoint, "UNLAUNCHED_WAIT_S", 1.0)
+    start = time.monotonic()
+    with pytest.raises(endpoint.EndpointError, match="names no launcher, so no server is start"):
+        endpoint.wait_until_ready(f"http://127.0.0.1:{port}/v1", endpoint_file=file)
+    assert time.monotonic() - start < 10

@@ -21,7 +21,9 @@ from tests.fixtures_data import recovery, run_reference
 REGISTRY = build_registry()
 SCHEMAS = REGISTRY.schemas()
 RESULTS = {  # just the numbers the policy reads
-    "load_data": {"n_genes": 3000, "median_genes_per_cell": 400},
+    "load_data": {"n_genes": 3000, "median_genes_per_cell": 2},
+    "call_cells": {"decision": "unfiltered", "median_genes_per_cell": 400,
+                   "reason": "unfiltered: 50,000 barcodes; kept 2,000 cells"},
     "filter_genes": {"genes_after": 2900},
     "qc_metrics": {"n_cells": 2000, "suggested_thresholds": {
         "min_genes": 300, "max_genes": 3000, "min_counts": 500, "max_counts": 20000, "max_pct_mt": 8.5}},
@@ -31,7 +33,8 @@ RESULTS = {  # just the numbers the policy reads
     "pca": {"n_comps": 50, "suggested_n_pcs": 9},
     "cluster_sweep": {"best_resolution": 0.3, "warnings": ["weak structure: best silhouette 0.03"]},
     "leiden": {"n_clusters": 8, "resolution": 0.3},
-    "annotate_clusters": {"label_sizes": {"B": 100, "NK": 50}, "ambiguous": {"3": "CD4 T|CD8 T"}},
+    "annotate_clusters": {"label_sizes": {"B": 100, "NK": 50}, "ambiguous": {"3": "CD4 T|CD8 T"},
+                          "unknown": {"5": "best B: detection 12% < 25%"}},
 }  # fmt: skip
 
 
@@ -72,13 +75,15 @@ def test_happy_sequence_uses_earlier_results():
         if calls[-1][0] == "finish":
             break
     args = dict(calls)
-    assert [name for name, _ in calls][:4] == [
+    assert [name for name, _ in calls][:6] == [
         "load_data",
+        "call_cells",
+        "plot",
         "filter_cells",
         "filter_genes",
         "qc_metrics",
     ]
-    assert args["filter_cells"] == {"min_genes": 100}  # a quarter of 400 median genes
+    assert args["filter_cells"] == {"min_genes": 100}  # a quarter of the called cells' 400
     assert args["filter_by_qc"] == {"min_genes": 300, "max_genes": 3000, "max_pct_mt": 8.5}
     assert args["detect_doublets"] == {"expected_doublet_rate": 0.06}
     assert args["highly_variable_genes"] == {
@@ -90,11 +95,23 @@ def test_happy_sequence_uses_earlier_results():
     assert args["neighbors"] == {"n_neighbors": 15, "n_pcs": 14}
     assert args["leiden"] == {"resolution": 0.3}
     plots = [a["kind"] + str(a.get("color")) for name, a in calls if name == "plot"]
-    assert plots == ["qc_violinNone", "umapleiden", "umapcell_type", "dotplotNone"]
+    assert plots == [
+        "barcode_rankNone",
+        "qc_violinNone",
+        "qc_scatterNone",
+        "doublet_scoresNone",
+        "umapleiden",
+        "umapcell_type",
+        "dotplotNone",
+        "annotation_scoresNone",
+    ]
     conclusion = args["finish"]["conclusion"]
     assert calls[-1][0] == "finish" and "8 Leiden clusters" in conclusion
+    assert "unfiltered: 50,000 barcodes; kept 2,000 cells" in conclusion
     assert "ambiguous: cluster 3 CD4 T|CD8 T" in conclusion and "weak structure" in conclusion
-    assert len(calls) == len(RECIPE)
+    assert "Unknown: cluster 5 (best B: detection 12% < 25%)" in conclusion
+    # every step but those for a run option this run did not set (a CellTypist model)
+    assert len(calls) == len([s for s in RECIPE if not (s.option and s.option[1])])
 
 
 def run_until_done(
@@ -179,7 +196,10 @@ def test_reference_analysis_recovers_the_planted_truth(name, demo_inputs, tmp_pa
     assert scores["singlets_kept"] >= 0.85, scores
     assert scores["label_accuracy"] >= 0.9, scores
     plots = {p.name for p in (tmp_path / "plots").glob("*.png")}
-    assert plots == {"qc_violin.png", "umap_leiden.png", "umap_cell_type.png", "dotplot.png"}
+    assert plots == {
+        "qc_violin.png", "umap_leiden.png", "umap_cell_type.png", "dotplot.png",
+        "annotation_scores.png", "qc_scatter.png", "doublet_scores.png",
+    }  # fmt: skip
     final = ad.read_h5ad(tmp_path / "adata.h5ad")
     assert final.n_obs == session.adata.n_obs and "cell_type" in final.obs
     assert list((tmp_path / "checkpoints").glob("step_*.h5ad"))
@@ -201,8 +221,9 @@ def test_agent_run_cli_with_the_reference_policy_and_resume(small_input, tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((outdir / "world_state.json").read_text())
     assert record["meta"]["status"] == "finished"
-    assert record["meta"]["resumed"][0]["checkpoint_step"] == 7  # steps 8-10 were re-run
-    entries = record["entries"]
+    entries = record["entries"]  # resumed from detect_doublets' checkpoint, the last expensive one
+    doublets = next(e["step"] for e in entries if e["tool"] == "detect_doublets")
+    assert record["meta"]["resumed"][0]["checkpoint_step"] == doublets
     assert [e["tool"] for e in entries][-1] == "finish" and all(
         e["status"] == "ok" for e in entries
     )
@@ -213,4 +234,4 @@ def test_agent_run_cli_with_the_reference_policy_and_resume(small_input, tmp_pat
             "max_pct_mt"
         ]
     )
-    assert (outdir / "adata.h5ad").is_file() and len(list((outdir / "plots").glob("*.png"))) == 4
+    assert (outdir / "adata.h5ad").is_file() and len(list((outdir / "plots").glob("*.png"))) == 7

@@ -4,6 +4,7 @@ step; a missing or changed input is not replayed; and the comparison rules on th
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from agent.replay import (
     NotReplayed,
     StepComparison,
     Tolerance,
+    _as_now,
     check_input,
     compare_step,
     compare_values,
@@ -138,14 +140,31 @@ def test_altered_meta_is_reported_even_when_not_replayed(demo_run, tmp_path):
     assert doc["steps"] == []
 
 
-def test_moved_input_is_reproduced(demo_run, tmp_path):
+def test_moved_and_renamed_input_is_reproduced(demo_run, tmp_path):
+    """The input is known by its content: moved elsewhere under another name (as pbmc1 ->
+    pbmc1_renamed), with a stray file beside it, the record is reproduced."""
     moved = tmp_path / "elsewhere" / "data"
     shutil.copytree(demo_run.input.parent, moved)
+    new_input = moved / f"renamed{demo_run.input.suffix}"  # the suffix names the format
+    (moved / demo_run.input.name).rename(new_input)
     (moved / ".DS_Store").write_bytes(b"\0\1")
-    new_input = moved / demo_run.input.name
     code, doc = replay_cli(tmp_path, demo_run.world_state, "--input", str(new_input))
     assert code == 0 and doc["verdict"] == "reproduced", doc["summary"]
     assert doc["input"] == str(new_input)
+    load = WorldState.load(demo_run.world_state).entries[0]
+    assert load.tool == "load_data" and load.result["path"] == "<input>"
+
+
+def test_a_record_made_before_version_2_names_its_input_the_old_way_and_still_compares(demo_run):
+    """Records before version 2 name the input in load_data's result by its folder's name: read
+    as "<input>" for the comparison, so old records still reproduce."""
+    world = WorldState.load(demo_run.world_state)
+    meta = {k: v for k, v in world.meta.items() if k != "record_version"}
+    name = Path(meta["input"]).name
+    load = world.entries[0]
+    old = dataclasses.replace(load, result={**load.result, "path": name})
+    assert _as_now(old, meta).result == load.result
+    assert _as_now(old, world.meta).result["path"] == name  # a version 2 record: as it says
 
 
 def test_edited_resolution_diverges_at_its_step(demo_run, tmp_path, capsys):

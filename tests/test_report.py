@@ -242,6 +242,14 @@ def test_index_is_compact_and_links_a_page_per_sample(cohort):
         for h in links
     )
     assert html.count('<tr class="failed') == 3
+    assert html.count('<small class="reason"') == 3  # the reason in the row, not only a tooltip
+    # failed samples head "Samples to look at", each with its reason
+    look_at = html.split('id="flags"')[1].split('id="figures"')[0]
+    for name, reason in (("broken", "input refused"), ("lost", "no world state at"),
+                         ("garbled", "not a readable world state")):  # fmt: skip
+        assert re.search(
+            rf">{name}</a>:\s*<span class=\"muted\">[^<]*</span> [^<]*{reason}", look_at
+        )
     assert "Cells kept per sample" in html and "Cached-token ratio per iteration" in html
     assert "filter_by_qc.max_pct_mt=40 is" in html  # the drift flag, in words
     # the varying parameter is a column of a view; those all samples share are listed once

@@ -23,6 +23,7 @@ from agent.data.synthetic import (
     simulate,
     write_sample,
 )
+from agent.tools.annotate import default_marker_sets
 
 SPEC = SampleSpec("t", 500, seed=3, damaged_fraction=0.1, doublet_fraction=0.06, empty_fraction=0.1)
 
@@ -79,10 +80,28 @@ def test_marker_genes_are_real_symbols_and_mark_their_type(sample):
     assert adata.var_names.str.startswith("MT-").sum() == 13
     lyz = np.asarray(adata[:, "LYZ"].X.todense()).ravel()
     mono = (truth["cell_type"] == "CD14 Mono").to_numpy()
-    t_cells = (truth["cell_type"] == "CD4 T").to_numpy()
+    t_cells = (truth["cell_type"] == "CD4 naive T").to_numpy()
     assert lyz[mono].mean() > 20 * max(lyz[t_cells].mean(), 0.05)
     assert set(CELL_TYPES) <= set(truth["cell_type"]) | {"Platelet", "DC"}  # rare types may miss
     assert all(g in adata.var_names for p in PROGRAMS.values() for g in p)
+
+
+def test_planted_profiles_are_not_the_marker_lists():
+    """Each planted type runs only part of the marker set of its name, genes on no marker list,
+    and marker genes another type runs too: a wrong or lucky marker list cannot pass the label
+    tests because the data were made from it."""
+    sets = default_marker_sets()
+    on_panel = {gene for genes in sets.values() for gene in genes}
+    planted = {
+        cell_type: {gene for program in programs for gene in PROGRAMS[program]}
+        for cell_type, (programs, _, _) in CELL_TYPES.items()
+    }
+    for cell_type, genes in planted.items():
+        markers = set(sets[cell_type])  # every planted type has the marker set of its name
+        assert len(markers - genes) >= len(markers) / 4, (cell_type, markers & genes)
+        assert len(genes - on_panel) >= 3, (cell_type, genes - on_panel)
+    shared = {gene for gene in on_panel if sum(gene in g for g in planted.values()) >= 2}
+    assert len(shared) >= 5, shared
 
 
 @pytest.mark.parametrize("name", list(DEMO_COHORT))
@@ -134,7 +153,7 @@ def test_mtx_files_are_byte_identical_on_rewrite(tmp_path):
         ({"n_cells": 10}, "n_cells=10"),
         ({"damaged_fraction": 0.9}, "damaged_fraction=0.9"),
         ({"composition": {"Neuron": 1.0}}, "unknown cell types ['Neuron']"),
-        ({"composition": {"CD4 T": 0.5, "NK": 0.5}}, "at least two lineages"),
+        ({"composition": {"CD4 naive T": 0.5, "NK": 0.5}}, "at least two lineages"),
         ({"format": "loom"}, "format='loom'"),
     ],
 )

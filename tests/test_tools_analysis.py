@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pandas as pd
 import pytest
 import scanpy as sc
 from sklearn.metrics import adjusted_rand_score
 
 from agent.data.synthetic import load_truth
 from agent.tools import TOOLS, build_registry
-from agent.tools.session import Session
 from tests.fixtures_data import call_tool as call
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -175,10 +173,14 @@ def test_cluster_sweep_scores_resolutions_and_keeps_no_labels(session_at):
     assert [row["resolution"] for row in table] == [0.1, 0.5, 1.0]
     assert [row["n_clusters"] for row in table] == sorted(row["n_clusters"] for row in table)
     qualified = [row["resolution"] for row in table if row["qualified"]]
-    assert out.result["best_resolution"] == max(qualified)  # the finest that qualifies
-    assert "Cohen's d" in out.result["criterion"] and out.result["warnings"] == []
+    best = out.result["best_resolution"]
+    assert best == max(qualified)  # the finest that qualifies
+    assert "Cohen's d" in out.result["criterion"]
+    warned = " ".join(out.result["warnings"])  # a choice at the grid's edge is flagged
+    assert ("finest swept" in warned) == (best == 1.0) and ("coarsest" in warned) == (best == 0.1)
     recorded = session.adata.uns["cluster_sweep"]
     assert list(recorded["table"]["resolution"]) == [0.1, 0.5, 1.0]
+    assert len(recorded["clusters"]) == sum(row["n_clusters"] for row in table)  # per cluster
     assert recorded["best_resolution"] == out.result["best_resolution"]
     assert set(session.adata.obs.columns) == columns
     assert not call(session, "cluster_sweep", resolutions=[0.5]).ok  # at least two
@@ -208,9 +210,9 @@ def test_annotate_clusters_recovers_the_planted_types(session_at, small_input):
     labels = session.adata.obs["cell_type"].astype(str).to_numpy()
     assert (labels[singlets] == truth["cell_type"].to_numpy()[singlets]).mean() > 0.9
     planted = set(truth["cell_type"][singlets]) - {"empty"}
-    assert planted <= set(out.result["sets_used"]) and not planted & set(
-        out.result["genes_missing"]
-    )
+    # every planted type's set is usable, though the data lack some of its genes: the profiles
+    # are not built from the marker lists (tests/test_synthetic.py)
+    assert planted <= set(out.result["sets_used"])
     assert sum(out.result["label_sizes"].values()) == session.adata.n_obs
 
 
@@ -240,30 +242,6 @@ def test_annotate_with_a_user_file_and_bad_files(session_at):
         assert not out.ok and message in out.error, out.error
     out = call(session, "annotate_clusters", markers_file="../../../etc/passwd")
     assert not out.ok and "neither the run's input" in out.error
-
-
-def test_annotation_of_real_pbmc_clusters(tmp_path):
-    """scanpy's bundled 68k PBMC subset (log-normalised .raw, Louvain clusters, FACS-sorted bulk
-    labels): every cluster's label is of the lineage its sorted cells mostly came from."""
-    adata = sc.datasets.pbmc68k_reduced()
-    session = Session(tmp_path)
-    session.adata, session.done = adata, {"load_data", "normalize"}
-    out = call(session, "annotate_clusters", groupby="louvain")
-    assert out.ok, out.error
-    # no platelet gene among its 765, and only CCR7 of the mature-DC set
-    assert out.result["sets_skipped"] == ["Mature DC", "Platelet"]
-    ours = {"CD4 T": "T/NK", "CD8 T": "T/NK", "NK": "T/NK", "B": "B", "Plasma": "B",
-            "CD14 Mono": "myeloid", "FCGR3A Mono": "myeloid", "DC": "myeloid",
-            "pDC": "myeloid"}  # fmt: skip
-    sorted_as = {"CD4+/CD25 T Reg": "T/NK", "CD8+ Cytotoxic T": "T/NK", "CD19+ B": "B",
-                 "CD14+ Monocyte": "myeloid", "Dendritic": "myeloid"}  # fmt: skip
-    majority = pd.crosstab(adata.obs["louvain"], adata.obs["bulk_labels"]).idxmax(axis=1)
-    checked = 0
-    for cluster, bulk in majority.items():
-        if bulk in sorted_as:
-            assert ours[out.result["clusters"][cluster]["label"]] == sorted_as[bulk], cluster
-            checked += 1
-    assert checked >= 9
 
 
 @pytest.mark.parametrize(

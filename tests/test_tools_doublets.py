@@ -13,7 +13,12 @@ import scanpy as sc
 
 import agent.tools.doublets as doublets
 from agent.data.synthetic import SampleSpec, simulate
-from agent.policies.reference import ReferencePolicy, _doublet_rate, _doublet_threshold
+from agent.policies.reference import (
+    RECIPE,
+    ReferencePolicy,
+    _doublet_rate,
+    _doublet_threshold,
+)
 from agent.tools.session import Session
 from tests.fixtures_data import REGISTRY
 from tests.fixtures_data import call_tool as call
@@ -53,18 +58,47 @@ def _recall_and_false_calls(tmp_path: Path, adata: Any, doublet: np.ndarray) -> 
     assert out.ok, out.error
     called = session.adata.obs["predicted_doublet"].to_numpy()
     assert out.result["n_predicted_doublets"] == called.sum()
-    return out.result, called[doublet].mean(), called[~doublet].mean()
+    return out.result, called[doublet].mean(), called[~doublet].mean(), session
 
 
-def test_batches_keep_the_recall_of_one_call(planted, tmp_path, monkeypatch):
+def _scanpy_layout(session: Session, result: dict[str, Any]) -> Any:
+    """uns['scrublet'] as sc.pp.scrublet writes it, one threshold for every cell, and scanpy's
+    own figure of it after a round trip through .h5ad; returns the object read back."""
+    adata = session.adata
+    stored = adata.uns["scrublet"]
+    assert stored["threshold"] == pytest.approx(result["threshold"], abs=1e-4)
+    scores = adata.obs["doublet_score"].to_numpy()
+    assert (adata.obs["predicted_doublet"].to_numpy() == (scores > stored["threshold"])).all()
+    n_sim = len(stored["doublet_scores_sim"])
+    assert n_sim == 2 * adata.n_obs and stored["doublet_parents"].shape == (n_sim, 2)
+    assert stored["doublet_parents"].max() < adata.n_obs  # positions of this object's cells
+    assert stored["parameters"]["expected_doublet_rate"] == 0.06
+    path = session.outdir / "scrublet.h5ad"
+    adata.write_h5ad(path)
+    back = sc.read_h5ad(path)
+    fig = sc.pl.scrublet_score_distribution(back, return_fig=True, show=False)
+    drawn = {line.get_xdata()[0] for ax in fig.axes for line in ax.get_lines()}
+    assert drawn == {stored["threshold"]}  # the one threshold, on both histograms
+    return back
+
+
+def test_batches_keep_the_recall_of_one_call_under_one_threshold(planted, tmp_path, monkeypatch):
     adata, doublet = planted
-    whole, recall, false = _recall_and_false_calls(tmp_path / "whole", adata, doublet)
-    assert whole["batches"] == 1
+    whole, recall, false, session = _recall_and_false_calls(tmp_path / "whole", adata, doublet)
+    assert whole["batches"] == 1 and "batch_thresholds" not in whole
+    _scanpy_layout(session, whole)
     monkeypatch.setattr(doublets, "BATCH_CELLS", 1200)  # as a large sample is called
-    batched, recall_b, false_b = _recall_and_false_calls(tmp_path / "batched", adata, doublet)
+    batched, recall_b, false_b, session = _recall_and_false_calls(
+        tmp_path / "batched", adata, doublet
+    )
     assert batched["batches"] == 2 and batched["cells_per_batch"] <= 1200
     assert recall > 0.7 and recall_b >= recall - 0.05
     assert false < 0.02 and false_b < 0.02
+    # one threshold from both batches' simulated doublets; what each alone would pick beside it
+    assert len(batched["batch_thresholds"]) == 2
+    _scanpy_layout(session, batched)
+    pooled = doublets._automatic_threshold(session.adata.uns["scrublet"]["doublet_scores_sim"])
+    assert batched["threshold"] == round(pooled, 4)
 
 
 def _calls_until_normalize(cells_after_qc: int) -> list[str]:
@@ -97,3 +131,23 @@ def test_threshold_fallback_is_not_sent_for_a_sample_too_small():
         "expected_doublet_rate": 0.06,
         "threshold": 0.25,
     }
+
+
+def test_doublet_figure_and_filter_settings_in_the_final_object(session_at):
+    steps = [(s.tool, s.kind) for s in RECIPE]
+    drawn = steps.index(("plot", "doublet_scores"))
+    assert steps.index(("detect_doublets", None)) < drawn < steps.index(("remove_doublets", None))
+    out = call(session_at("detect_doublets"), "plot", kind="doublet_scores")
+    assert out.ok and out.result["bytes"] > 10_000, out.error
+    session = session_at("plot")  # the last step before finish
+    assert call(session, "finish", conclusion="test").ok
+    final = sc.read_h5ad(session.layout.final)
+    fig = sc.pl.scrublet_score_distribution(final, return_fig=True, show=False)
+    assert len(fig.axes) == 2
+    uns = final.uns
+    assert uns["filter_cells"]["min_genes"] > 0
+    assert uns["filter_cells"]["cells_after"] < uns["filter_cells"]["cells_before"]
+    assert uns["filter_genes"]["min_cells"] == 3 and "genes_after" in uns["filter_genes"]
+    removal = uns["remove_doublets"]
+    assert removal["threshold"] == round(float(uns["scrublet"]["threshold"]), 4)
+    assert removal["cells_after"] == removal["cells_before"] - removal["removed"]

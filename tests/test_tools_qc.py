@@ -8,7 +8,7 @@ import pytest
 from scipy import sparse
 
 from agent.data.synthetic import SampleSpec, load_truth, write_sample
-from agent.policies.reference import RECIPE, _min_genes
+from agent.policies.reference import RECIPE, _conclusion, _min_genes, _qc_thresholds
 from agent.tools.plots import _figure, plt
 from agent.tools.qc import _suggest
 from agent.tools.session import Session
@@ -46,13 +46,31 @@ def test_qc_metrics_bad_values(session_at, args, message):
     assert not out.ok and message in out.error
 
 
-def test_qc_metrics_without_mitochondrial_genes(session_at):
-    out = call(session_at("filter_genes"), "qc_metrics", mt_prefix="NOSUCH-")
+def test_without_mitochondrial_genes_no_mt_filter_is_applied(session_at):
+    session = session_at("filter_genes")
+    out = call(session, "qc_metrics", mt_prefix="NOSUCH-")
     r = out.result
     assert out.ok and r["gene_sets"]["mt"] == 0 and r["pct_counts_mt"]["p99"] == 0
-    assert (
-        r["cells_outside_each"]["max_pct_mt"] == 0 and "no mitochondrial genes" in r["warnings"][0]
+    assert r["suggested_thresholds"]["max_pct_mt"] is None  # not a 5% cut that cannot act
+    assert "max_pct_mt" not in r["cells_outside_each"] and "pct_counts_mt" not in r["spread"]
+    assert "no max_pct_mt filter was applied" in r["not_applied"]["max_pct_mt"] == r["warnings"][0]
+    stored = session.adata.uns["qc_thresholds"]
+    assert "max_pct_mt" not in stored["suggested"] and "max_pct_mt" in stored["not_applied"]
+    # the reference recipe sends no MT cut-off and says so in its conclusion
+    facts = lambda tool: {"qc_metrics": r}.get(tool, {})  # noqa: E731
+    assert _qc_thresholds(facts) == {
+        k: r["suggested_thresholds"][k] for k in ("min_genes", "max_genes")
+    }
+    assert call(session, "filter_by_qc", max_pct_mt=20.0).error.startswith(
+        "filter_by_qc: no mitochondrial genes"
     )
+    out = call(session, "filter_by_qc", min_genes=300, max_pct_mt=20.0)
+    assert out.ok and out.result["thresholds"] == {"min_genes": 300}
+    assert (
+        "max_pct_mt" in out.result["not_applied"] and "max_pct_mt" not in out.result["removed_by"]
+    )
+    assert session.adata.uns["qc_thresholds"]["applied"] == {"min_genes": 300}
+    assert "no mitochondrial genes: no MT filter" in _conclusion(facts)["conclusion"]
 
 
 def _mt_counts_zero_or_one(session, n_outliers: int = 12) -> np.ndarray:
@@ -94,7 +112,17 @@ def test_zero_mad_of_genes_and_counts_is_floored():
     assert len(floors) == 4  # three spreads and max_pct_mt
 
 
+# the mouse globins (MGI) in place of the human ones: their symbols are not a change of case
+MOUSE_GLOBINS = dict(zip(
+    ["HBA1", "HBA2", "HBB", "HBD", "HBG1", "HBG2", "HBM", "HBQ1", "HBZ", "HBE1"],
+    ["Hba-a1", "Hba-a2", "Hbb-bs", "Hbb-bt", "Hbb-b1", "Hbb-b2", "Hbb-y", "Hbq1a", "Hba-x",
+     "Hbb-bh1"], strict=True,
+))  # fmt: skip
+
+
 def _mouse_case(name: str) -> str:
+    if name in MOUSE_GLOBINS:
+        return MOUSE_GLOBINS[name]
     return "mt-" + name[3:].capitalize() if name.startswith("MT-") else name.capitalize()
 
 
@@ -119,7 +147,11 @@ def test_qc_metrics_on_mouse_symbols(session_at, small_input):
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [({"mt_prefix": ""}, "mt_prefix=''"), ({"hb_pattern": "^HB["}, "hb_pattern='^HB['")],
+    [
+        ({"mt_prefix": ""}, "mt_prefix=''"),
+        ({"hb_pattern": "^HB["}, "hb_pattern='^HB['"),
+        ({"ribo_pattern": "^RP("}, "ribo_pattern='^RP('"),
+    ],
 )
 def test_qc_metrics_bad_patterns(session_at, args, message):
     out = call(session_at("filter_genes"), "qc_metrics", **args)
@@ -213,6 +245,29 @@ def test_qc_violin_before_filtering_draws_the_thresholds(session_at):
     assert call(session, "filter_by_qc", max_pct_mt=10.0, min_genes=300).ok
     out = call(session, "plot", kind="qc_violin")
     assert out.result["thresholds_drawn"] == {"from": "applied", "min_genes": 300, "max_pct_mt": 10}
+
+
+def test_qc_scatter_before_filtering_draws_thresholds_with_the_legend_off_the_cells(session_at):
+    steps = [(s.tool, s.kind) for s in RECIPE]
+    scatter = steps.index(("plot", "qc_scatter"))
+    assert steps.index(("qc_metrics", None)) < scatter < steps.index(("filter_by_qc", None))
+    session = session_at("qc_metrics")
+    suggested = session.adata.uns["qc_thresholds"]["suggested"]
+    out = call(session, "plot", kind="qc_scatter")
+    assert out.ok, out.error
+    assert out.result["thresholds_drawn"] == {"from": "suggested", **suggested}
+    fig = _figure(session, "qc_scatter", None, "leiden")
+    ax = fig.axes[0]
+    lines = {line.get_label().split()[0]: line for line in ax.get_lines()}
+    assert lines["min_genes"].get_ydata()[0] == suggested["min_genes"]
+    assert lines["max_counts"].get_xdata()[0] == suggested["max_counts"]
+    ringed = [c for c in ax.collections if c.get_label().startswith("max_pct_mt")]
+    pct = session.adata.obs["pct_counts_mt"].to_numpy()
+    assert len(ringed[0].get_offsets()) == (pct > suggested["max_pct_mt"]).sum() > 0
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.y1 < ax.get_window_extent().y0  # below the axes: covers no cell
+    plt.close(fig)
 
 
 def _policy_min_genes(session) -> tuple[int, np.ndarray, pd.DataFrame]:

@@ -35,6 +35,37 @@ def shell_commands(output: str, rule: str) -> list[str]:
     return found
 
 
+def resources(output: str, rule: str) -> list[str]:
+    """The 'resources:' line of each of `rule`'s jobs in a dry run."""
+    blocks = re.split(r"\n\s*\[[^\]]+\][^\n]*\n", output)
+    return [
+        re.search(r"^\s*resources: (.*)$", block, re.MULTILINE).group(1)
+        for block in blocks
+        if re.search(rf"^\s*rule {rule}:", block, re.MULTILINE)
+    ]
+
+
+def test_server_job_is_one_task_on_one_node():
+    """The Slurm plugin's sbatch line for the server's resources (common.smk server_resources)
+    with several GPUs: --nodes=1 and no --ntasks-per-gpu, which would make N GPUs N tasks that
+    Slurm may spread over nodes (shown beside the plugin's default, which does that)."""
+    from types import SimpleNamespace
+
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+
+    class Resources(dict):
+        __getattr__ = dict.get
+
+    params = {"run_uuid": "u", "slurm_logfile": "log", "comment_str": "c", "account": "",
+              "partition": "", "workdir": "."}  # fmt: skip
+    ours = Resources(gpu=4, nodes=1, tasks_per_gpu=0, mem_mb=1000, runtime=60, cpus_per_task=8)
+    line = get_submit_command(SimpleNamespace(resources=ours, threads=1), params)
+    assert "--nodes=1" in line and "--ntasks" not in line, line
+    default = Resources(gpu=4, mem_mb=1000, runtime=60, cpus_per_task=8)
+    line = get_submit_command(SimpleNamespace(resources=default, threads=1), params)
+    assert "--ntasks-per-gpu=1" in line and "--nodes" not in line, line
+
+
 def groups(output: str) -> dict[str, list[str]]:
     """{group id: [rule:wildcards, ...]} from the 'Group job' sections of a dry run."""
     found: dict[str, list[str]] = {}
@@ -116,6 +147,10 @@ def test_vllm_mode_shards_llm_samples_into_server_groups(workflow_dir: WorkflowD
     assert all(f"--cache-dir {cache}" in c and "exec env HF_HUB_OFFLINE=1 " in c for c in serve)
     assert "fetch_model" not in job_counts(out.stdout)  # only when asked
     assert "gres=gpu:h100:1" in out.stdout and "gpu=1," not in out.stdout  # typed gres replaces gpu
+    # one node, one task (no --ntasks-per-gpu): see test_server_job_is_one_task_on_one_node
+    serve_resources = resources(out.stdout, "serve_vllm")
+    assert len(serve_resources) == 3
+    assert all("nodes=1" in r and "tasks_per_gpu=0" in r for r in serve_resources), serve_resources
     analyze = {
         re.search(r"--sample (\S+)", c).group(1): c for c in shell_commands(out.stdout, "analyze")
     }
@@ -142,8 +177,9 @@ def test_fetch_model_fills_the_hf_cache_before_the_first_server_only_when_asked(
     marker = "results/models/google_gemma-4-31B-it_v1.0.json"
     assert f"rule fetch_model:\n    output: {marker}" in out.stdout
     assert f"Input files updated by another job: {marker}" in out.stdout  # serve_vllm waits
-    localrules = (REPO / "Snakefile").read_text().split("localrules:", 1)[1].split("\n\n")[0]
-    assert "fetch_model," in localrules  # the login node runs it (compute nodes: no internet)
+    fetch_rule = (REPO / "workflow/rules/serve.smk").read_text().split("rule fetch_model:")[1]
+    # the login node runs it (compute nodes: no internet), under a module's prefix too
+    assert "localrule: True" in fetch_rule.split("\n\n")[0]
     (serve,) = shell_commands(out.stdout, "serve_vllm")
     hf_home = workflow_dir.path / "shared" / "hf"  # absolute: the same folder on every node
     assert f"exec env HF_HOME={hf_home} HF_HUB_OFFLINE=1 " in serve
@@ -253,7 +289,7 @@ def test_sheet_overrides_reach_the_job(workflow_dir: WorkflowDir, inputs: Path):
     out = workflow_dir.snakemake("-n", "-p", "--cores", "4")
     assert out.returncode == 0, out.stdout
     a, b = sorted(shell_commands(out.stdout, "analyze"), key=lambda c: "--sample b" in c)
-    assert "--brief 'focus on '\"'\"'T cells'\"'\"'; expect ~10% doublets'" in a
+    assert "'--brief=focus on '\"'\"'T cells'\"'\"'; expect ~10% doublets'" in a
     assert "--seed 42 --max-steps 9" in a and "--seed 0 --max-steps 120" in b
     assert "OMP_NUM_THREADS=3" in a and "OMP_NUM_THREADS=2" in b
     resources = re.findall(r"rule analyze:.*?resources: ([^\n]+)", out.stdout, re.DOTALL)
@@ -415,7 +451,7 @@ def test_works_as_a_module_from_another_folder(tmp_path: Path):
     (host / "sheet.tsv").write_text("sample\tpath\nmine\tdata/demo/mine\n")
     (host / "Snakefile").write_text(
         'configfile: "config.yaml"\n\n\n'
-        f'module scagent:\n    snakefile:\n        "{REPO / "Snakefile"}"\n'
+        f'module scagent:\n    snakefile:\n        "{REPO / "workflow" / "Snakefile"}"\n'
         "    config:\n        config\n\n\n"
         "use rule * from scagent\n"
     )

@@ -1,7 +1,8 @@
 """Seeded synthetic raw-count samples with planted truth, and the demo cohort.
 
 Counts are negative binomial (gamma-Poisson) draws around per-cell-type expression profiles built
-from real human marker genes of blood cell types, with realistic library sizes, a share of damaged
+from gene programmes of blood cell types (real human genes, written independently of the marker
+sets that annotation checks), with realistic library sizes, a share of damaged
 cells (high mitochondrial, little nuclear RNA), empty barcodes (ambient RNA only) and heterotypic
 doublets. The truth per barcode (type, doublet, damaged, empty) is written to ``truth.tsv`` beside
 the data, never into the matrix file, so an analysis cannot see it.
@@ -134,21 +135,26 @@ RIBO_GENES = [
 HB_GENES = ["HBA1", "HBA2", "HBB", "HBD", "HBG1", "HBG2", "HBM", "HBQ1", "HBZ", "HBE1"]
 N_TAIL = 3000
 
-# Gene programs: gene -> expected UMIs per 10,000 in a cell that runs the program.
+# Gene programmes: gene -> expected UMIs per 10,000 in a cell that runs the programme. They are
+# written from what each blood cell type expresses, independently of agent/data/markers.json:
+# each type runs only part of its marker set (the annotation must work from what is there),
+# genes on no marker list (LDHB, GZMA, VPREB3, GP1BB...) and genes that two types share (NKG7,
+# FCGR3A, TYROBP, HLA class II, CSF3R, C1QA, PLD4). tests/test_synthetic.py keeps it so.
 PROGRAMS: dict[str, dict[str, float]] = {
-    "T": {"CD3D": 30, "CD3E": 20, "CD3G": 8, "CD2": 10, "IL32": 25, "TRAC": 15, "CD27": 6, "LCK": 6},
-    "CD4 T": {
-        "IL7R": 20, "CD4": 4, "CCR7": 10, "LEF1": 8, "TCF7": 8, "MAL": 8, "CD40LG": 4, "LDHB": 30,
+    "T": {"CD3D": 30, "CD3E": 20, "CD3G": 8, "CD2": 10, "IL32": 25, "TRAC": 15, "LCK": 6, "BCL11B": 5},
+    "naive": {"CCR7": 10, "LEF1": 8, "TCF7": 8, "SELL": 6, "LDHB": 30, "CD27": 6, "TRABD2A": 3},
+    "CD4": {"CD4": 4, "TSHZ2": 3, "ADTRP": 3},
+    "cytotoxic": {"NKG7": 30, "CCL5": 30, "GZMA": 12, "CST7": 10, "CTSW": 10},
+    "CD8 memory": {
+        "CD8A": 12, "CD8B": 10, "GZMK": 10, "CD160": 3, "DUSP2": 6, "EOMES": 3, "CXCR3": 3,
     },
-    "cytotoxic": {"NKG7": 30, "CCL5": 30, "GZMA": 12, "CST7": 10, "CTSW": 10, "GZMH": 6},
-    "CD8 T": {"CD8A": 12, "CD8B": 10, "GZMK": 10, "KLRG1": 4, "CD160": 3},
     "NK": {
-        "GNLY": 60, "GZMB": 15, "PRF1": 12, "KLRD1": 12, "KLRF1": 8, "NCAM1": 4, "FGFBP2": 10,
-        "SPON2": 8, "FCGR3A": 10, "TYROBP": 20, "FCER1G": 10,
+        "GNLY": 60, "GZMB": 15, "PRF1": 12, "KLRD1": 12, "FGFBP2": 10, "SH2D1B": 4, "KIR2DL1": 3,
+        "FCGR3A": 10, "TYROBP": 20, "FCER1G": 10,
     },
     "B": {
-        "MS4A1": 15, "CD79A": 30, "CD79B": 15, "CD19": 4, "BANK1": 6, "CD22": 4, "IGHM": 30,
-        "IGHD": 8, "TCL1A": 15, "VPREB3": 6,
+        "MS4A1": 15, "CD79A": 30, "CD79B": 15, "BANK1": 6, "IGHM": 30, "VPREB3": 6, "FCER2": 5,
+        "BLK": 5, "PAX5": 4,
     },
     "MHC-II": {
         "HLA-DRA": 60, "HLA-DRB1": 30, "HLA-DPA1": 20, "HLA-DPB1": 30, "CD74": 100, "HLA-DQA1": 8,
@@ -159,30 +165,30 @@ PROGRAMS: dict[str, dict[str, float]] = {
         "PSAP": 20,
     },
     "CD14 Mono": {
-        "CD14": 15, "LYZ": 300, "S100A8": 200, "S100A9": 250, "VCAN": 15, "FCN1": 30,
-        "S100A12": 20, "MNDA": 15, "CSF3R": 8, "CD36": 8,
+        "CD14": 15, "LYZ": 300, "S100A8": 200, "S100A9": 250, "MNDA": 15, "CSF3R": 8, "CD36": 8,
+        "CTSS": 20, "G0S2": 6,
     },
     "FCGR3A Mono": {
-        "FCGR3A": 25, "MS4A7": 15, "CDKN1C": 10, "IFITM2": 20, "RHOC": 10, "HES4": 6, "CX3CR1": 6,
+        "FCGR3A": 25, "MS4A7": 15, "RHOC": 10, "HES4": 6, "CX3CR1": 6, "SIGLEC10": 4, "C1QA": 4,
     },
-    "DC": {"FCER1A": 20, "CLEC10A": 10, "CD1C": 10, "ENHO": 4, "PLD4": 4},
+    "DC": {"FCER1A": 20, "CLEC10A": 10, "CD1C": 10, "PLD4": 4, "PKIB": 5, "CD1E": 5},
     "Platelet": {
-        "PPBP": 200, "PF4": 120, "GP9": 10, "ITGA2B": 8, "GNG11": 20, "TUBB1": 10, "CAVIN2": 20,
-        "CLU": 10, "SPARC": 15,
+        "PPBP": 200, "PF4": 120, "GNG11": 20, "TUBB1": 10, "SPARC": 15, "CLU": 10, "GP1BB": 10,
+        "TREML1": 6, "RGS18": 8,
     },
 }  # fmt: skip
 
 # Lineages: doublets join cells of two lineages (two T-cell types in one droplet look like one
 # cell to any detector, so they would only blur what detection can be expected to find).
 LINEAGE = {
-    "CD4 T": "T/NK", "CD8 T": "T/NK", "NK": "T/NK", "B": "B", "CD14 Mono": "myeloid",
-    "FCGR3A Mono": "myeloid", "DC": "myeloid", "Platelet": "platelet",
+    "CD4 naive T": "T/NK", "CD8 effector-memory T": "T/NK", "NK": "T/NK", "B": "B",
+    "CD14 Mono": "myeloid", "FCGR3A Mono": "myeloid", "DC": "myeloid", "Platelet": "platelet",
 }  # fmt: skip
 
 # Cell type -> (program, weight); relative cell size (library size); ribosomal share factor.
 CELL_TYPES: dict[str, tuple[dict[str, float], float, float]] = {
-    "CD4 T": ({"T": 1, "CD4 T": 1}, 1.0, 1.3),
-    "CD8 T": ({"T": 1, "CD8 T": 1, "cytotoxic": 0.6}, 1.0, 1.2),
+    "CD4 naive T": ({"T": 1, "naive": 1, "CD4": 1}, 1.0, 1.3),
+    "CD8 effector-memory T": ({"T": 1, "CD8 memory": 1, "cytotoxic": 0.6}, 1.0, 1.2),
     "NK": ({"NK": 1, "cytotoxic": 1}, 1.1, 1.0),
     "B": ({"B": 1, "MHC-II": 1}, 1.0, 1.1),
     "CD14 Mono": ({"myeloid": 1, "CD14 Mono": 1, "MHC-II": 0.4}, 1.5, 0.7),
@@ -192,7 +198,7 @@ CELL_TYPES: dict[str, tuple[dict[str, float], float, float]] = {
 }
 
 PBMC_COMPOSITION = {
-    "CD4 T": 0.34, "CD8 T": 0.14, "NK": 0.09, "B": 0.13, "CD14 Mono": 0.19, "FCGR3A Mono": 0.06,
+    "CD4 naive T": 0.34, "CD8 effector-memory T": 0.14, "NK": 0.09, "B": 0.13, "CD14 Mono": 0.19, "FCGR3A Mono": 0.06,
     "DC": 0.03, "Platelet": 0.02,
 }  # fmt: skip
 
@@ -252,13 +258,16 @@ DEMO_COHORT: dict[str, SampleSpec] = {
         SampleSpec(
             "pbmc2", 1500, seed=202, format="h5ad", damaged_fraction=0.2, doublet_fraction=0.04,
             median_umis=5000,
-            composition={**PBMC_COMPOSITION, "CD14 Mono": 0.32, "CD4 T": 0.22, "FCGR3A Mono": 0.08},
+            composition={**PBMC_COMPOSITION, "CD14 Mono": 0.32, "CD4 naive T": 0.22, "FCGR3A Mono": 0.08},
             description="small, monocyte-rich, stressed (20% damaged cells), .h5ad",
         ),
         SampleSpec(
             "pbmc3", 4000, seed=303, format="h5", damaged_fraction=0.04, doublet_fraction=0.07,
             median_umis=3000,
-            composition={**PBMC_COMPOSITION, "CD4 T": 0.42, "CD8 T": 0.18, "CD14 Mono": 0.1},
+            composition={
+                **PBMC_COMPOSITION, "CD4 naive T": 0.42, "CD8 effector-memory T": 0.18,
+                "CD14 Mono": 0.1,
+            },
             description="larger, T-cell-rich, shallower, more doublets, 10x .h5",
         ),
     )

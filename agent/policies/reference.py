@@ -23,6 +23,11 @@ from agent.config import LOAD_OPTIONS
 from agent.policies.base import Decision, ToolCall
 
 Args = dict[str, Any]
+# load_data's modality of Visium-like data (spelled here: the policy imports no scanpy module)
+SPOTS = "spatial spots"
+# Tools whose failure means the input cannot be analysed: no finish with what there is (for
+# call_cells that would be an analysis of empty droplets).
+REFUSES_INPUT = ("call_cells",)
 Facts = Callable[[str], dict[str, Any]]  # tool name -> result of its latest successful call
 ArgsFn = Callable[[Facts], Args | None]  # None: the step does not apply to these data
 
@@ -37,6 +42,9 @@ class Step:
     after: tuple[str, ...] = ()
     kind: str | None = None  # plots: one step per kind (and colour) of figure
     color: str | None = None
+    # (key of the record's meta, wanted): the step applies only when the run set that option
+    # (True) or only when it did not (False)
+    option: tuple[str, bool] | None = None
 
     def matches(self, tool: str, params: Args) -> bool:
         if tool != self.tool:
@@ -53,8 +61,11 @@ def _const(args: Args) -> ArgsFn:
 def _min_genes(facts: Facts) -> Args:
     # 200 genes is the usual empty-droplet cut; shallow data get a quarter of their median, not a
     # fixed floor (50 removed a third of a shallow sample: its platelets and B cells). Under 10
-    # genes a barcode holds no usable profile at any depth.
-    median = facts("load_data").get("median_genes_per_cell", 1000)
+    # genes a barcode holds no usable profile at any depth. After cell calling, the cells' median
+    # (that of all barcodes read is an empty droplet's).
+    median = facts("call_cells").get("median_genes_per_cell") or facts("load_data").get(
+        "median_genes_per_cell", 1000
+    )
     return {"min_genes": int(min(200, max(10, median // 4)))}
 
 
@@ -62,15 +73,18 @@ def _qc_thresholds(facts: Facts) -> Args | None:
     suggested = facts("qc_metrics").get("suggested_thresholds")
     if not suggested:
         return None
-    return {k: suggested[k] for k in ("min_genes", "max_genes", "max_pct_mt")}
+    # None: a threshold that cannot act (max_pct_mt without mitochondrial genes)
+    keys = ("min_genes", "max_genes", "max_pct_mt")
+    return {k: suggested[k] for k in keys if suggested.get(k) is not None}
 
 
 def _doublet_rate(facts: Facts) -> Args | None:
     # 10x: ~0.8% doublets per 1,000 cells recovered; below 7,500 cells Scrublet's customary 6%,
     # as its automatic threshold lands too high with a low expected rate. Under 100 cells
-    # (detect_doublets' MIN_CELLS) doublets cannot be called: the step does not apply.
+    # (detect_doublets' MIN_CELLS) doublets cannot be called: the step does not apply; nor to
+    # spatial spots, which hold several cells by design.
     cells = facts("filter_by_qc").get("cells_after") or facts("qc_metrics").get("n_cells", 5000)
-    if cells < 100:
+    if cells < 100 or facts("load_data").get("modality") == SPOTS:
         return None
     return {"expected_doublet_rate": round(min(0.15, max(0.06, 0.008 * cells / 1000)), 3)}
 
@@ -115,10 +129,21 @@ def _leiden(facts: Facts) -> Args:
     return {"resolution": best if best is not None else 1.0}
 
 
+def _barcode_rank(facts: Facts) -> Args | None:
+    unfiltered = facts("call_cells").get("decision") == "unfiltered"
+    return {"kind": "barcode_rank"} if unfiltered else None
+
+
 def _conclusion(facts: Facts) -> Args:
     parts = []
+    if facts("call_cells").get("decision") == "unfiltered":
+        parts.append(facts("call_cells")["reason"])
+    if facts("load_data").get("modality") == SPOTS:
+        parts.append("spatial spots: doublet detection skipped (a spot holds several cells)")
     if "removed" in facts("filter_by_qc"):
         parts.append(f"QC removed {facts('filter_by_qc')['removed']} low-quality cells")
+    if "max_pct_mt" in (facts("qc_metrics").get("not_applied") or {}):
+        parts.append("no mitochondrial genes: no MT filter")
     if "removed" in facts("remove_doublets"):
         parts.append(f"{facts('remove_doublets')['removed']} predicted doublets")
     leiden = facts("leiden")
@@ -126,25 +151,49 @@ def _conclusion(facts: Facts) -> Args:
         parts.append(
             f"{leiden['n_clusters']} Leiden clusters at resolution {leiden.get('resolution')}"
         )
-    labels = facts("annotate_clusters").get("label_sizes")
+    reference = facts("annotate_celltypist")
+    if reference:
+        model = reference["model"]
+        parts.append(
+            f"labels from CellTypist model {model['name']} version {model['version']} "
+            f"(sha256 {model['sha256'][:12]}...)"
+        )
+    labels = reference.get("label_sizes") or facts("annotate_clusters").get("label_sizes")
     if labels:
         parts.append("labels: " + ", ".join(f"{k} ({v})" for k, v in labels.items()))
+    # the final labels' own doubts: the model's weak clusters, else the markers' ambiguous ones
     ambiguous = facts("annotate_clusters").get("ambiguous")
-    if ambiguous:
+    if reference:
+        if reference.get("weak_clusters"):
+            parts.append("weak evidence: clusters " + ", ".join(reference["weak_clusters"]))
+    elif ambiguous:
         parts.append("ambiguous: " + ", ".join(f"cluster {k} {v}" for k, v in ambiguous.items()))
+    unknown = facts("annotate_clusters").get("unknown")
+    if unknown and not reference:  # clusters the marker sets gave no evidence for, and why
+        parts.append("Unknown: " + ", ".join(f"cluster {k} ({v})" for k, v in unknown.items()))
     parts += facts("cluster_sweep").get("warnings") or []  # weak structure, said where it is
     return {"conclusion": "Reference scanpy recipe. " + "; ".join(parts) + "."}
 
 
+# set when the run has a CellTypist model (agent run --celltypist-model)
+MODEL = "celltypist_model_sha256"
+
 RECIPE: tuple[Step, ...] = (
     Step("load_data", _const({}), required=True),
+    # an unfiltered droplet matrix: its cells called before anything counts them; a refusal
+    # refuses the input (REFUSES_INPUT)
+    Step("call_cells", _const({}), required=True),
+    Step("plot", _barcode_rank, kind="barcode_rank"),
     Step("filter_cells", _min_genes),
     Step("filter_genes", _const({"min_cells": 3})),
     Step("qc_metrics", _const({})),
     # the violin before filtering, with the suggested thresholds: it shows the cells they remove
     Step("plot", _const({"kind": "qc_violin"}), kind="qc_violin"),
+    Step("plot", _const({"kind": "qc_scatter"}), kind="qc_scatter"),
     Step("filter_by_qc", _qc_thresholds, fallbacks=(_const({"max_pct_mt": 20.0}),)),
     Step("detect_doublets", _doublet_rate, fallbacks=(_doublet_threshold,)),
+    # the scores with the threshold, before the cells above it are removed
+    Step("plot", _const({"kind": "doublet_scores"}), kind="doublet_scores"),
     Step("remove_doublets", _const({})),
     Step("normalize", _const({}), required=True),
     Step("highly_variable_genes", _hvg("seurat_v3"), fallbacks=(_hvg("seurat"),)),
@@ -156,11 +205,19 @@ RECIPE: tuple[Step, ...] = (
     Step("leiden", _leiden, fallbacks=(_const({"resolution": 1.0}),), required=True),
     Step("rank_genes_groups", _const({"groupby": "leiden", "method": "wilcoxon"}),
          fallbacks=(_const({"groupby": "leiden", "method": "t-test"}),)),
-    Step("annotate_clusters", _const({"groupby": "leiden"})),
+    Step("annotate_clusters", _const({"groupby": "leiden"}), option=(MODEL, False)),
+    # with a reference model its labels are the cell types; the marker labels are kept beside
+    # them for comparison (the dotplot shows their genes)
+    Step("annotate_clusters", _const({"groupby": "leiden", "key_added": "cell_type_markers"}),
+         option=(MODEL, True)),
+    Step("annotate_celltypist", _const({"groupby": "leiden"}), option=(MODEL, True)),
     Step("plot", _const({"kind": "umap", "color": "leiden"}), kind="umap", color="leiden"),
     Step("plot", _const({"kind": "umap", "color": "cell_type"}), after=("annotate_clusters",),
          kind="umap", color="cell_type"),
     Step("plot", _const({"kind": "dotplot", "groupby": "leiden"}), after=("annotate_clusters",), kind="dotplot"),
+    # the evidence behind the labels: cluster x type scores, the label chosen, the types qualified
+    Step("plot", _const({"kind": "annotation_scores"}), after=("annotate_clusters",),
+         kind="annotation_scores"),
     Step("finish", _conclusion, fallbacks=(_const({}),), required=True),
 )  # fmt: skip
 
@@ -241,6 +298,8 @@ class ReferencePolicy:
             )
 
         for step in self.recipe:
+            if step.option and bool(world.meta.get(step.option[0])) != step.option[1]:
+                continue
             attempts = [e for e in entries if step.matches(e.tool, _params(e))]
             if any(e.status == "ok" for e in attempts):
                 continue
@@ -257,6 +316,8 @@ class ReferencePolicy:
                     )
                 retry = f"retrying load_data after: {attempts[-1].error}" if attempts else None
                 return call(step, args, retry)
+            if step.tool in REFUSES_INPUT and attempts:
+                return Decision(text=f"input refused: {attempts[-1].error}", finish_reason="stop")
             tried = [_params(e) for e in attempts]
             for variant in (step.args, *step.fallbacks):  # the first not tried yet
                 args = variant(facts)

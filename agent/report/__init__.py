@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,19 @@ def _flags_text(flags: list[Flag], sample: str) -> str | None:
     return "; ".join(str(f) for f in flags if f.sample == sample) or None
 
 
+class Progress:
+    """One line on stderr per stage with the seconds since the start: a cohort of hundreds takes
+    tens of seconds, and a silent job looks hung."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        print(
+            f"report: {what} ({time.monotonic() - self.start:.1f} s)", file=sys.stderr, flush=True
+        )
+
+
 def build_report(
     world_states: list[Path],
     replays: list[Path],
@@ -77,8 +91,10 @@ def build_report(
     from agent.report.html import context, render_index, render_samples
     from agent.report.plots import cohort_figures
 
+    progress = Progress()
     replay_of = match_replays(world_states, replays)
     samples = [load_sample(w, replay_of.get(w), truth_dir) for w in world_states]
+    progress(f"read {len(samples)} samples")
     seen: dict[str, Path] = {}
     for s in samples:
         if s.name in seen:
@@ -102,11 +118,14 @@ def build_report(
             old.unlink()
     for name, page in render_samples(ctx, samples):
         publish(pages / name, page.encode())
+    progress(f"wrote cohort.tsv and {len(samples)} sample pages")
     figures = cohort_figures(table, samples, parameters, drift)
     publish(outdir / "index.html", render_index(ctx, samples, figures, threshold, floor).encode())
+    progress("drew the figures and wrote index.html")
     write_crate(
         outdir, samples, [outdir / "cohort.tsv", outdir / "index.html"], workflow_root, pages
     )
+    progress("wrote the RO-Crate")
     return samples
 
 

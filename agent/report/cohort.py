@@ -16,7 +16,8 @@ NOT_CHOICES = frozenset(name for name, spec in tool_specs().items() if not spec.
 CELL_FILTERS = tuple(name for name, spec in tool_specs().items() if spec.kind == "cell_filter")
 OUTCOME_COLUMNS = (
     "sample", "status", "error", "drift", "outliers", "input", "input_sha256", "policy", "model",
-    *MODEL_PROVENANCE, "server_flags", "seed", "steps", "errors", "iterations", "seconds",
+    *MODEL_PROVENANCE, "reference_annotation", "server_flags", "seed", "steps", "errors",
+    "iterations", "seconds",
     "decide_seconds", "tool_seconds", "prompt_tokens", "completion_tokens", "cached_tokens",
     "cached_ratio", "truncations", "reprefilled_tokens", "cells_before", "genes_before",
     "cells_after", "genes_after", "cells_kept_fraction", "cells_removed_qc", "doublets_removed",
@@ -49,8 +50,10 @@ def chosen_parameters(sample: Sample) -> dict[str, Any]:
 
 def labels_found(sample: Sample) -> str | None:
     """Cell-type labels of the final annotation, largest first."""
-    sizes = _result(sample, "annotate_clusters", "label_sizes") or _result(
-        sample, "finish", "cell_type_sizes"
+    sizes = (
+        _result(sample, "annotate_celltypist", "label_sizes")  # a reference model's, when given
+        or _result(sample, "annotate_clusters", "label_sizes")
+        or _result(sample, "finish", "cell_type_sizes")
     )
     if not sizes:
         return None
@@ -75,6 +78,7 @@ def _run_row(sample: Sample) -> dict[str, Any]:
         "policy": meta.get("policy"),
         "model": meta.get("model"),
         **sample.model_provenance,
+        "reference_annotation": sample.reference_annotation,
         "server_flags": orjson.dumps(flags).decode() if flags else None,
         "seed": meta.get("seed"),
         "steps": len(sample.entries) if sample.world else None,
@@ -101,7 +105,8 @@ def _round(x: float | None, digits: int = 2) -> float | None:
 def row(sample: Sample) -> dict[str, Any]:
     """The sample's outcomes and choices, as the cohort table shows them."""
     out = _run_row(sample)
-    before = _result(sample, "load_data", "n_cells")
+    # an unfiltered droplet matrix loads empty barcodes too: its cells are those call_cells kept
+    before = _result(sample, "call_cells", "n_cells") or _result(sample, "load_data", "n_cells")
     after = _result(sample, "finish", "n_cells")
     if after is None and sample.final_obs is not None:
         after = len(sample.final_obs)

@@ -70,6 +70,25 @@ class Sample:
         }
 
     @property
+    def reference_model(self) -> dict[str, Any] | None:
+        """The CellTypist model the final labels came from (annotate_celltypist's result: name,
+        path, version, sha256, genes found), None where none labelled the cells."""
+        entry = self.last_ok("annotate_celltypist")
+        return (entry.result or {}).get("model") if entry else None
+
+    @property
+    def reference_annotation(self) -> str | None:
+        """The reference model in one line, for the sample page and the cohort table."""
+        model = self.reference_model
+        if not model:
+            return None
+        return (
+            f"model {model.get('name')} version {model.get('version')} sha256 "
+            f"{model.get('sha256')} ({model.get('n_genes_found')} of {model.get('n_model_genes')} "
+            "model genes in the data)"
+        )
+
+    @property
     def failed(self) -> bool:
         return self.status != "finished"
 

@@ -30,7 +30,10 @@ PROFILES = {
     "https://w3id.org/ro/wfrun/process/0.5": "Process Run Crate",
     "https://w3id.org/ro/wfrun/workflow/0.5": "Workflow Run Crate",
 }
-WORKFLOW_FILES = ("Snakefile", "workflow/rules/*.smk", "workflow/schemas/*", "config/*")
+# the main Snakefile first (the catalog's layout; the root Snakefile includes it)
+WORKFLOW_FILES = (
+    "workflow/Snakefile", "Snakefile", "workflow/rules/*.smk", "workflow/schemas/*", "config/*",
+)  # fmt: skip
 STATUS = {
     True: "http://schema.org/CompletedActionStatus",
     False: "http://schema.org/FailedActionStatus",
@@ -77,12 +80,12 @@ def _agent(crate: ROCrate, versions: dict[str, str]) -> ContextEntity:
 
 
 def _add_workflow(crate: ROCrate, root: Path) -> ContextEntity | None:
-    snakefile = root / "Snakefile"
+    snakefile = root / WORKFLOW_FILES[0]
     if not snakefile.is_file():
         return None
     workflow = crate.add_workflow(
         snakefile,
-        "Snakefile",  # the repository's layout, so the crate's copy runs as it is
+        WORKFLOW_FILES[0],  # the repository's layout, so the crate's copy runs as it is
         main=True,
         lang="snakemake",
         lang_version=metadata.version("snakemake"),
@@ -135,6 +138,14 @@ def _sample_actions(
             if path.is_dir()
             else crate.add_file(_uri(path), properties=props)
         )
+    if meta.get("celltypist_model"):  # the reference model the run was given (--celltypist-model)
+        model = sample.reference_model or {}
+        props = {
+            "name": f"CellTypist model {Path(meta['celltypist_model']).name}",  # samples share it
+            "sha256": meta.get("celltypist_model_sha256"),
+            **({"version": model["version"]} if model.get("version") else {}),
+        }
+        inputs.append(crate.add_file(_uri(Path(meta["celltypist_model"])), properties=props))
     outputs: list[Any] = []
     if sample.world_state.is_file():
         outputs.append(

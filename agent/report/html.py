@@ -48,10 +48,11 @@ VIEWS = {
         "vllm_version": "vLLM", "family": "family", "sampling": "sampling",
         "prompt_digest": "prompt digest",
     },
+    "annotation": {"reference_annotation": "reference annotation (CellTypist model)"},
 }  # fmt: skip
 # Long values cut to this many characters in the samples table, whole in the cell's title (and
 # in cohort.tsv and on the sample page): hashes are told apart by their start.
-CUT = {"revision": 12, "prompt_digest": 12, "sampling": 40}
+CUT = {"revision": 12, "prompt_digest": 12, "sampling": 40, "reference_annotation": 40}
 PARAMETERS_PER_VIEW = 6  # parameter headers are wide (tool and name on two lines)
 RESULT_CHARS = 1200  # longer step results are cut in the page (the world state has them whole)
 REPLAY_STEPS_SHOWN = 6  # after a divergence most later steps differ too; replay.json lists all
@@ -138,6 +139,7 @@ def _sample_view(sample: Sample) -> dict[str, Any]:
         ("input sha256", meta.get("input_sha256")),
         ("policy", meta.get("policy")),
         ("model", meta.get("model")),
+        ("reference annotation", sample.reference_annotation),
         ("server flags", meta.get("server_flags")),
         ("seed", meta.get("seed")),
         ("context limit", meta.get("context_limit")),
@@ -235,6 +237,9 @@ def context(
         if f.column == "doublets_removed_fraction":
             flagged[(f.sample, "doublets_removed")] = str(f)
     per_sample: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for s in samples:  # a failed or refused sample first, with its reason in words
+        if s.failed:
+            per_sample[s.name].append((s.status.replace("_", " "), s.error or ""))
     for kind, flags in (("parameter drift", drift), ("outcome outlier", outliers)):
         for f in flags:
             per_sample[f.sample].append((kind, str(f)))

@@ -41,6 +41,8 @@ STYLE = {
 }
 
 
+# beside the axes, never over the bars and their labels (the saved figure's tight box keeps it)
+LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "frameon": False}
 PER_SAMPLE_FIGURES = 40  # samples; above it, histograms
 MANY_LINES = 40  # series per panel above which lines are drawn thin and without markers
 
@@ -157,13 +159,14 @@ def cells_kept(table: pd.DataFrame) -> Figure:
         elif b > 0 and not np.isnan(a):
             ax.text(b, yi, f"  {a:.0f} of {b:.0f} ({a / b:.0%})", va="center")
     ax.set_yticks(y, names)
-    ax.set_xlabel("cells (barcodes loaded, and kept in the final object)")
+    ax.set_xlabel("cells (loaded, or called in an unfiltered matrix, and kept in the final object)")
     ax.set_xlim(0, np.nanmax(np.r_[before, 1]) * 1.35)
-    ax.legend(loc="lower right", frameon=False)
+    ax.legend(**LEGEND_OUTSIDE)
     ax.set_title("Cells kept per sample")
     return Figure(
         "Cells kept per sample",
-        "Barcodes loaded (grey) and cells left after QC and doublet removal (blue).",
+        "Cells in the sample (grey: loaded, or called by call_cells in an unfiltered droplet "
+        "matrix) and cells left after QC and doublet removal (blue).",
         encode(fig),
     )
 
@@ -241,7 +244,7 @@ def clusters(table: pd.DataFrame) -> Figure:
     ax.set_yticks(y, names)
     ax.set_xlabel("clusters")
     ax.set_xlim(0, np.nanmax(np.r_[n, planted, 1]) * 1.45)
-    ax.legend(loc="lower right", frameon=False)
+    ax.legend(**LEGEND_OUTSIDE)
     ax.set_title("Clusters per sample")
     return Figure(
         "Clusters per sample",

@@ -7,6 +7,8 @@ from typing import Any
 
 from agent.registry import ToolRegistry, ToolSpec
 from agent.tools.annotate import annotate_clusters
+from agent.tools.cells import call_cells
+from agent.tools.celltypist_annotate import annotate_celltypist
 from agent.tools.cluster import cluster_sweep, leiden
 from agent.tools.doublets import detect_doublets, remove_doublets
 from agent.tools.embed import neighbors, pca, umap
@@ -19,6 +21,7 @@ from agent.tools.session import Session
 
 TOOLS: list[Callable[..., dict[str, Any]]] = [
     load_data,
+    call_cells,
     qc_metrics,
     filter_cells,
     filter_genes,
@@ -36,6 +39,7 @@ TOOLS: list[Callable[..., dict[str, Any]]] = [
     cluster_sweep,
     rank_genes_groups,
     annotate_clusters,
+    annotate_celltypist,
     plot,
     save,
     finish,

@@ -2,8 +2,9 @@
 
 Silhouette in PCA space favours the coarsest split (a few big lineages score best), so the sweep
 chooses by two criteria that do not: marker separation (every cluster differs from its nearest
-cluster in several genes) and stability (subsamples of the graph give the same clusters). The
-silhouette is still reported, and a low best silhouette is flagged as weak structure.
+cluster in several genes, by a test that knows the clusters' sizes) and stability (each cluster is
+found again in subsamples of the graph). The silhouette is still reported, and a low best
+silhouette is flagged as weak structure.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import numpy as np
 import pandas as pd
 import scanpy as sc
 from pydantic import Field
-from scipy import sparse
-from sklearn.metrics import adjusted_rand_score, silhouette_score
+from scipy import sparse, stats
+from sklearn.metrics import silhouette_score
 
 from agent.registry import tool
 from agent.tools.common import Key, all_genes, scanpy_params, sizes
@@ -25,34 +26,46 @@ from agent.tools.session import Session
 Resolution = Annotated[float, Field(gt=0, le=5)]
 SILHOUETTE_SAMPLE = 4000  # silhouette is quadratic in cells; a fixed-seed sample bounds its cost
 
-# Marker separation: a gene separates two clusters when their means differ by at least
-# EFFECT_SIZE pooled standard deviations (Cohen's d: independent of depth, cluster size and
-# per-gene scaling); a cluster is separated when MIN_SEPARATING_GENES genes do so against its
-# nearest cluster (closest centre in the PCA space of the neighbour graph).
+# Marker separation: a gene separates a cluster from its nearest cluster (closest centre in the
+# PCA space of the neighbour graph) when Welch's t-test finds the difference (Benjamini-Hochberg
+# q < FDR over all genes) and it is large (|Cohen's d| >= EFFECT_SIZE). The test makes it
+# size-aware: a few cells that differ by chance in some of thousands of genes do not count, as
+# they did with the effect size alone. A cluster is separated when MIN_SEPARATING_GENES genes do.
 EFFECT_SIZE = 1.0
+FDR = 0.05
 MIN_SEPARATING_GENES = 5
-# Stability: mean ARI between the full clustering and Leiden on the graph of SUBSAMPLES
-# fixed-seed subsamples of SUBSAMPLE_SHARE of the cells.
-SUBSAMPLES = 2
+# Added to each cluster's variance of a gene (log units): a gene silent in a cluster would
+# otherwise divide by zero, and one or two cells of a small cluster expressing a rare gene would
+# make it "differ".
+VARIANCE_FLOOR = 1e-2
+# Stability, per cluster: the mean over SUBSAMPLES fixed-seed subsamples of SUBSAMPLE_SHARE of the
+# cells of the Jaccard index between the cluster's sampled cells and the best-matching cluster of
+# Leiden on the subsample's graph. Hennig (2007, fpc::clusterboot): below 0.6 a cluster should
+# not be trusted; 0.6-0.75 shows a pattern whose exact members are doubtful; 0.75+ is stable.
+SUBSAMPLES = 5
 SUBSAMPLE_SHARE = 0.8
-MIN_STABILITY = 0.7
+MIN_STABILITY = 0.6
+FIRM_STABILITY = 0.75
 WEAK_SILHOUETTE = 0.05  # below this at every resolution, clusters cut a continuum
 # the igraph implementation: fast, and deterministic for a given seed
 LEIDEN_ARGS = {"flavor": "igraph", "n_iterations": 2, "directed": False}
 CRITERION = (
-    f"finest resolution at which every cluster has >= {MIN_SEPARATING_GENES} genes with "
-    f"|Cohen's d| >= {EFFECT_SIZE} against its nearest cluster and the subsample stability "
-    f"(mean ARI over {SUBSAMPLES} subsamples of {SUBSAMPLE_SHARE:.0%}) is >= {MIN_STABILITY}"
+    f"finest resolution at which every cluster has >= {MIN_SEPARATING_GENES} genes that differ "
+    f"from its nearest cluster (Welch's t-test, Benjamini-Hochberg q < {FDR} over all genes, and "
+    f"|Cohen's d| >= {EFFECT_SIZE}) and a stability >= {MIN_STABILITY} (mean Jaccard index with "
+    f"its best match in Leiden on {SUBSAMPLES} subsamples of {SUBSAMPLE_SHARE:.0%} of the cells, "
+    "measured only where every cluster is separated)"
 )
 
 
 def _leiden_labels(adjacency: Any, resolution: float, seed: int) -> np.ndarray:
-    """Leiden on a graph, as the leiden tool runs it, without touching the session's data."""
+    """Leiden on a graph, as the leiden tool runs it, without touching the session's data; the
+    clusters as integers, numbered as leiden numbers them (largest first)."""
     holder = ad.AnnData(obs=pd.DataFrame(index=np.arange(adjacency.shape[0]).astype(str)))
     sc.tl.leiden(
         holder, resolution=resolution, adjacency=adjacency, random_state=seed, **LEIDEN_ARGS
     )
-    return holder.obs["leiden"].to_numpy()
+    return holder.obs["leiden"].astype(int).to_numpy()
 
 
 def _leiden(session: Session, resolution: float, key: str) -> None:
@@ -70,8 +83,7 @@ def _pca_used(adata: Any) -> np.ndarray:
 
 def _expression(adata: Any) -> tuple[Any, Any]:
     """Log-normalised values of all genes and their squares (computed once per sweep): .raw
-    where highly_variable_genes subset X, else X (a scaled X would give the same effect sizes:
-    Cohen's d does not change under per-gene scaling)."""
+    where highly_variable_genes subset X, else X."""
     values = sparse.csr_matrix(all_genes(adata).X)
     return values, values.power(2)
 
@@ -80,82 +92,133 @@ def _silhouette(coords: np.ndarray, labels: np.ndarray, seed: int) -> float | No
     if len(np.unique(labels)) < 2:
         return None
     size = min(len(labels), SILHOUETTE_SAMPLE)
+    coords = np.asarray(coords, dtype=np.float64)  # sklearn upcasts float32 chunk by chunk: slower
     return round(float(silhouette_score(coords, labels, sample_size=size, random_state=seed)), 4)
 
 
 def separating_genes(
     expression: tuple[Any, Any], coords: np.ndarray, labels: np.ndarray
-) -> np.ndarray:
-    """Per cluster (in sorted label order), the genes separating it from its nearest cluster."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per cluster (in sorted label order): how many genes separate it from its nearest cluster,
+    and the index of that cluster (-1 where there is no other)."""
     values, squares = expression
     codes, _ = pd.factorize(labels, sort=True)
-    member = sparse.csr_matrix(
-        (np.ones(len(codes), values.dtype), (codes, np.arange(len(codes)))), dtype=values.dtype
-    )
-    n = np.asarray(member.sum(axis=1), dtype=np.float64)
-    means = (member @ values).toarray() / n
-    variances = np.maximum((member @ squares).toarray() / n - means**2, 0)
-    centres = (member @ coords) / n
-    counts = np.zeros(len(n), int)
+    member = sparse.csr_matrix((np.ones(len(codes)), (codes, np.arange(len(codes)))))
+    n = np.asarray(member.sum(axis=1))  # cells per cluster, as a column
     if len(n) < 2:
-        return counts
-    for i in range(len(n)):
-        distance = np.linalg.norm(centres - centres[i], axis=1)
-        distance[i] = np.inf
-        j = int(np.argmin(distance))
-        # the floor keeps genes silent in both clusters from dividing by zero
-        pooled = np.sqrt((variances[i] + variances[j]) / 2 + 1e-2)
-        counts[i] = int((np.abs(means[i] - means[j]) / pooled >= EFFECT_SIZE).sum())
-    return counts
+        return np.zeros(len(n), int), np.full(len(n), -1)
+    means = (member @ values).toarray() / n
+    # sample variance (ddof 1; a one-cell cluster has none but the floor)
+    variances = np.maximum((member @ squares).toarray() / n - means**2, 0)
+    variances = variances * n / np.maximum(n - 1, 1) + VARIANCE_FLOOR
+    centres = (member @ coords) / n
+    distance = np.linalg.norm(centres[:, None] - centres[None], axis=2)
+    np.fill_diagonal(distance, np.inf)
+    nearest = distance.argmin(axis=1)
+    dof = n - 1
+    pooled = (dof * variances + dof[nearest] * variances[nearest]) / (dof + dof[nearest]).clip(1)
+    effect = np.abs(means - means[nearest]) / np.sqrt(pooled)
+    with np.errstate(divide="ignore", invalid="ignore"):  # one-cell clusters: no degrees of freedom
+        _, p = stats.ttest_ind_from_stats(
+            means, np.sqrt(variances), n, means[nearest], np.sqrt(variances[nearest]), n[nearest],
+            equal_var=False,
+        )  # fmt: skip
+    q = stats.false_discovery_control(np.nan_to_num(p, nan=1.0), axis=1)
+    return ((q < FDR) & (effect >= EFFECT_SIZE)).sum(axis=1), nearest
 
 
-def _stability(adjacency: Any, labels: np.ndarray, resolution: float, seed: int) -> float:
-    """Mean ARI between the full clustering and Leiden on induced subgraphs of subsamples."""
-    n = len(labels)
-    scores = []
+def _stability(adjacency: Any, labels: np.ndarray, resolution: float, seed: int) -> np.ndarray:
+    """Per cluster (in sorted label order): the mean Jaccard index between its cells in a
+    subsample and the subsample's best-matching cluster (Leiden on the induced subgraph)."""
+    codes, clusters = pd.factorize(labels, sort=True)
+    n = len(codes)
+    total = np.zeros(len(clusters))
     for b in range(SUBSAMPLES):
-        keep = np.sort(
-            np.random.default_rng(seed + b).choice(n, int(SUBSAMPLE_SHARE * n), replace=False)
-        )
-        sub = _leiden_labels(adjacency[keep][:, keep], resolution, seed)
-        scores.append(adjusted_rand_score(labels[keep], sub))
-    return round(float(np.mean(scores)), 4)
+        rng = np.random.default_rng(seed + b)
+        keep = np.sort(rng.choice(n, int(SUBSAMPLE_SHARE * n), replace=False))
+        sub = _leiden_labels(adjacency[keep][:, keep], resolution, seed + b)
+        shared = sparse.coo_matrix(
+            (np.ones(len(keep)), (codes[keep], sub)), shape=(len(clusters), sub.max() + 1)
+        ).toarray()  # cells in both, per (cluster, subsample cluster)
+        union = shared.sum(axis=1, keepdims=True) + shared.sum(axis=0, keepdims=True) - shared
+        total += (shared / np.maximum(union, 1)).max(axis=1)
+    return total / SUBSAMPLES
 
 
 def _score(
-    session: Session, resolution: float, expression: tuple[Any, Any], coords: np.ndarray
+    adjacency: Any, expression: tuple[Any, Any], coords: np.ndarray, resolution: float, seed: int
 ) -> dict:
-    adjacency = session.adata.obsp["connectivities"]
-    labels = _leiden_labels(adjacency, resolution, session.seed)
-    counts = pd.Series(labels).value_counts()
-    separating = separating_genes(expression, coords, labels)
-    separated = separating >= MIN_SEPARATING_GENES
-    stability = _stability(adjacency, labels, resolution, session.seed)
+    """One resolution's row. Stability costs SUBSAMPLES Leiden runs, so it is measured only where
+    every cluster is separated: elsewhere the resolution cannot qualify whatever it is."""
+    labels = _leiden_labels(adjacency, resolution, seed)
+    counts = np.bincount(labels)
+    separating, nearest = separating_genes(expression, coords, labels)
+    # one cluster has nothing to separate from
+    separated = (separating >= MIN_SEPARATING_GENES) | (len(counts) == 1)
+    stability = _stability(adjacency, labels, resolution, seed) if separated.all() else None
     return {
         "resolution": resolution,
         "n_clusters": len(counts),
         "smallest_cluster": int(counts.min()),
-        "silhouette": _silhouette(coords, labels, session.seed),
+        "silhouette": _silhouette(coords, labels, seed),
         "min_separating_genes": int(separating.min()),
         "share_separated": round(float(separated.mean()), 4),
-        "stability": stability,
-        # one cluster has nothing to separate
-        "qualified": bool(separated.all() or len(counts) == 1) and stability >= MIN_STABILITY,
+        "min_stability": None if stability is None else round(float(stability.min()), 4),
+        "share_stable": (
+            None if stability is None else round(float((stability >= MIN_STABILITY).mean()), 4)
+        ),
+        "qualified": stability is not None and bool((stability >= MIN_STABILITY).all()),
+        # per cluster, in leiden's numbering (cluster 0 first)
+        "cluster_sizes": counts.tolist(),
+        "nearest_cluster": nearest.tolist(),
+        "separating_genes": separating.tolist(),
+        "stability": None if stability is None else np.round(stability, 2).tolist(),
     }
 
 
 def _choose(table: list[dict]) -> tuple[dict, list[str]]:
-    """The finest qualified resolution; else the best separated and most stable (coarser on ties)."""
+    """The finest qualified resolution; else the best separated, then most stable (coarser on
+    ties)."""
     warnings = []
     qualified = [row for row in table if row["qualified"]]
     if qualified:
         chosen = max(qualified, key=lambda row: row["resolution"])
     else:
-        chosen = max(table, key=lambda r: (r["share_separated"], r["stability"], -r["resolution"]))
+        chosen = max(
+            table,
+            key=lambda r: (r["share_separated"], r["min_stability"] or 0.0, -r["resolution"]),
+        )
+        stable = (
+            "stability not measured"
+            if chosen["share_stable"] is None
+            else f"{chosen['share_stable']:.0%} stable"
+        )
         warnings.append(
             f"no resolution met the criterion; chose {chosen['resolution']}, where "
-            f"{chosen['share_separated']:.0%} of clusters are separated (stability "
-            f"{chosen['stability']}): treat its clusters with caution"
+            f"{chosen['share_separated']:.0%} of clusters are separated ({stable}): treat its "
+            "clusters with caution"
+        )
+    swept = [row["resolution"] for row in table]
+    if chosen["resolution"] == max(swept):
+        warnings.append(
+            f"the chosen resolution {chosen['resolution']} is the finest swept: a finer one may "
+            "also meet the criterion; sweep beyond it to know"
+        )
+    elif chosen["resolution"] == min(swept):
+        warnings.append(
+            f"the chosen resolution {chosen['resolution']} is the coarsest swept: every finer "
+            "one failed the criterion"
+        )
+    doubtful = [
+        str(c)
+        for c, s in enumerate(chosen["stability"] or [])
+        if MIN_STABILITY <= s < FIRM_STABILITY
+    ]
+    if doubtful and qualified:
+        warnings.append(
+            f"clusters with a stability of only {MIN_STABILITY}-{FIRM_STABILITY} at "
+            f"{chosen['resolution']}: {', '.join(doubtful)} (a pattern, but which cells belong "
+            "to them is doubtful)"
         )
     scored = [row["silhouette"] for row in table if row["silhouette"] is not None]
     if scored and max(scored) < WEAK_SILHOUETTE:
@@ -208,24 +271,41 @@ def cluster_sweep(
 ) -> dict[str, Any]:
     """Run Leiden at several resolutions and choose the finest one whose clusters are distinct.
 
-    Per resolution: the number of clusters, the smallest, the silhouette in PCA space, marker
-    separation (genes differing by at least one pooled standard deviation between each cluster
-    and its nearest cluster; min_separating_genes, share_separated) and stability (mean ARI of
-    Leiden on 80% subsamples against the full clustering). best_resolution is the finest
-    resolution where every cluster has 5 or more such genes and stability is 0.7 or more (the
-    criterion is named in the result); warnings say when none qualifies or the structure is weak
-    (best silhouette below 0.05). Keeps no labels: call leiden with the chosen resolution.
+    Per resolution: the number of clusters, the smallest, the silhouette in PCA space, and per
+    cluster (in leiden's numbering) its size, its nearest cluster, its separating genes (Welch's
+    t-test q < 0.05 over all genes and a difference of at least one pooled standard deviation
+    against the nearest cluster) and its stability (mean Jaccard index with its best match in
+    Leiden on 5 subsamples of 80% of the cells; measured only where every cluster is separated,
+    else null); min_separating_genes, share_separated,
+    min_stability and share_stable sum them up. best_resolution is the finest resolution where
+    every cluster has 5 or more such genes and a stability of 0.6 or more (the criterion is
+    named in the result); warnings say when none qualifies, when the choice is the finest or
+    coarsest swept, when a chosen cluster's stability is only 0.6-0.75, or when the structure is
+    weak (best silhouette below 0.05). Keeps no labels: call leiden with the chosen resolution.
 
     Args:
         resolutions: Leiden resolutions to try (2 to 12 values in (0, 5]).
     """
     adata = session.adata
-    coords = _pca_used(adata)
+    adjacency, coords = adata.obsp["connectivities"], _pca_used(adata)
     expression = _expression(adata)
-    table = [_score(session, r, expression, coords) for r in sorted(set(resolutions))]
+    table = [
+        _score(adjacency, expression, coords, r, session.seed) for r in sorted(set(resolutions))
+    ]
     chosen, warnings = _choose(table)
+    per_cluster = ("cluster_sizes", "nearest_cluster", "separating_genes", "stability")
+    clusters = pd.concat(
+        pd.DataFrame({"resolution": row["resolution"], **{k: row[k] for k in per_cluster}})
+        .astype({"stability": float})  # NaN where not measured
+        .rename_axis("cluster")
+        .reset_index()
+        for row in table
+    )  # one row per cluster and resolution: .h5ad cannot hold the table's lists
     adata.uns["cluster_sweep"] = {
-        "table": pd.DataFrame(table).astype({"silhouette": float}),
+        "table": pd.DataFrame(table)
+        .drop(columns=list(per_cluster))
+        .astype({k: float for k in ("silhouette", "min_stability", "share_stable")}),
+        "clusters": clusters.reset_index(drop=True),
         "criterion": CRITERION,
         "best_resolution": chosen["resolution"],
         "seed": session.seed,

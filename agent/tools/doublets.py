@@ -16,7 +16,8 @@ from agent.tools.session import Session
 MIN_CELLS = 100
 # Scrublet's cost grows with cells x neighbours (k ~ sqrt(cells)) on three times as many points
 # (two simulated doublets per cell): above this, cells are called in random batches of about
-# this size, each with its own simulated doublets, which keeps exact kNN and a linear cost.
+# this size, each with its own simulated doublets, which keeps exact kNN and a linear cost; one
+# threshold, from all batches' simulated doublets, calls every cell.
 BATCH_CELLS = 10000
 
 
@@ -38,10 +39,10 @@ def _batches(n_cells: int, seed: int) -> list[np.ndarray]:
     return [np.sort(part) for part in np.array_split(order, n_batches)]
 
 
-def _call_batch(
-    batch: Any, rate: float, threshold: float | None, n_prin_comps: int, seed: int
-) -> tuple[np.ndarray, np.ndarray, float | None, int]:
-    """Scrublet on one batch: scores, calls, threshold (None: not found) and the PCs it used."""
+def _score_batch(batch: Any, rate: float, n_prin_comps: int, seed: int) -> dict[str, Any]:
+    """Scrublet's scores on one batch (its threshold is set later, over all batches): observed
+    and simulated scores, the simulated doublets' parents (positions in the batch), the PCs and
+    neighbours used."""
     comps = min(n_prin_comps, batch.n_obs - 1, _scrublet_genes(batch) - 1)
     if comps < 2:
         raise ToolError(
@@ -51,19 +52,38 @@ def _call_batch(
     sc.pp.scrublet(
         batch,
         expected_doublet_rate=rate,
-        threshold=threshold,
+        threshold=0.0,  # no call here: one threshold is found below from all simulated scores
         n_prin_comps=comps,
         random_state=seed,
         use_approx_neighbors=False,  # batches are small enough for exact, reproducible kNN
         verbose=False,
     )
-    found = batch.uns["scrublet"].get("threshold")
-    return (
-        batch.obs["doublet_score"].to_numpy(),
-        batch.obs["predicted_doublet"].astype(bool).to_numpy(),
-        None if found is None else float(found),
-        comps,
-    )
+    scores = batch.obs["doublet_score"].to_numpy(dtype=float)
+    # Scrublet drops cells with under 3 genes (no score): its parents index the cells it kept
+    kept = np.flatnonzero(~np.isnan(scores))
+    found = batch.uns["scrublet"]
+    return {
+        "scores": scores,
+        "sim": np.asarray(found["doublet_scores_sim"]),
+        "parents": kept[np.asarray(found["doublet_parents"])],
+        "n_neighbors": int(found["parameters"]["n_neighbors"]),
+        "comps": comps,
+    }
+
+
+def _automatic_threshold(sim: np.ndarray) -> float | None:
+    """Scrublet's automatic threshold (its call_doublets): the minimum between the two modes of
+    the simulated doublet scores' histogram; None where they are not bimodal."""
+    from skimage.filters import threshold_minimum
+
+    try:
+        return float(threshold_minimum(sim))
+    except RuntimeError:  # no two maxima in the smoothed histogram
+        return None
+
+
+def _one(values: list[Any]) -> Any:
+    return values[0] if len(set(values)) == 1 else values
 
 
 @tool("doublets", expensive=True)
@@ -77,8 +97,10 @@ def detect_doublets(
 
     Runs on raw counts, so call it before normalize; needs at least 100 cells. Samples above
     10,000 cells are scored in random batches of about 10,000 cells, each with its own simulated
-    doublets and threshold. The threshold on the doublet score is found automatically unless
-    given. Does not remove cells: call remove_doublets for that.
+    doublets; one threshold on the doublet score holds for all cells, found automatically from
+    the simulated doublets' scores of all batches together unless given. Does not remove cells:
+    call remove_doublets for that. The scores, simulated scores and threshold are kept in
+    uns['scrublet'] as scanpy's scrublet keeps them (plot kind 'doublet_scores' draws them).
 
     Args:
         expected_doublet_rate: Expected fraction of doublets (10x: about 0.008 per 1,000 cells
@@ -98,46 +120,64 @@ def detect_doublets(
         )
     seed = session.seed
     batches = _batches(adata.n_obs, seed)
-    scores = np.zeros(adata.n_obs)
-    called = np.zeros(adata.n_obs, bool)
-    thresholds, comps = [], []
+    scores = np.full(adata.n_obs, np.nan)
+    runs = []
     for cells in batches:
-        batch = adata if len(batches) == 1 else adata[cells].copy()  # scrublet copies it
-        s, c, t, k = _call_batch(batch, expected_doublet_rate, threshold, n_prin_comps, seed)
-        scores[cells], called[cells] = s, c
-        thresholds.append(t)
-        comps.append(k)
-    if None in thresholds:
-        raise ToolError(
-            "Scrublet could not find a threshold automatically (the simulated doublet scores are "
-            "not bimodal); call detect_doublets again with threshold=... (e.g. 0.25)"
-        )
+        run = _score_batch(adata[cells].copy(), expected_doublet_rate, n_prin_comps, seed)
+        scores[cells] = run["scores"]
+        run["parents"] = cells[run["parents"]]
+        runs.append(run)
+    sim = np.concatenate([run["sim"] for run in runs])
+    automatic = threshold is None
+    if automatic:
+        threshold = _automatic_threshold(sim)
+        if threshold is None:
+            raise ToolError(
+                "Scrublet could not find a threshold automatically (the simulated doublet scores "
+                "are not bimodal); call detect_doublets again with threshold=... (e.g. 0.25)"
+            )
+    called = scores > threshold  # cells Scrublet could not score (NaN) are not called
+    detectable = float((sim > threshold).mean())  # Scrublet's detectable doublet fraction
+    parameters = {
+        "expected_doublet_rate": expected_doublet_rate,
+        "sim_doublet_ratio": 2.0,  # scanpy's default, which the calls above use
+        "n_neighbors": _one([run["n_neighbors"] for run in runs]),
+        "random_state": seed,
+        "n_prin_comps": _one([run["comps"] for run in runs]),
+        "batches": len(batches),
+        "cells_per_batch": max(len(b) for b in batches),
+        "threshold_automatic": automatic,
+    }
     adata.obs["doublet_score"] = scores
     adata.obs["predicted_doublet"] = called
+    # scanpy's layout (sc.pp.scrublet), so sc.pl.scrublet_score_distribution draws it; the
+    # parents are positions of the cells at this call
     adata.uns["scrublet"] = {
-        "threshold": thresholds[0] if len(batches) == 1 else thresholds,
-        "parameters": {
-            "expected_doublet_rate": expected_doublet_rate,
-            "threshold_automatic": threshold is None,
-            "n_prin_comps": comps,
-            "batches": len(batches),
-            "random_state": seed,
-        },
+        "doublet_scores_sim": sim,
+        "doublet_parents": np.concatenate([run["parents"] for run in runs]),
+        "parameters": parameters,
+        "threshold": threshold,
     }
-    return {
+    result = {
         "n_cells": adata.n_obs,
         "n_predicted_doublets": int(called.sum()),
         "detected_doublet_rate": round(float(called.mean()), 4),
-        "threshold": round(thresholds[0], 4)
-        if len(set(thresholds)) == 1
-        else [round(t, 4) for t in thresholds],
-        "threshold_automatic": threshold is None,
-        "expected_doublet_rate": expected_doublet_rate,
-        "n_prin_comps": comps[0] if len(set(comps)) == 1 else comps,
-        "batches": len(batches),
-        "cells_per_batch": max(len(b) for b in batches),
-        "doublet_score": quantiles(scores, 3),
+        "threshold": round(threshold, 4),
+        # Scrublet's own check of the expected rate: called / share of simulated ones detectable
+        "detectable_doublet_fraction": round(detectable, 4),
+        "estimated_doublet_rate": round(float(called.mean()) / detectable, 4)
+        if detectable
+        else None,
+        **parameters,
+        "doublet_score": quantiles(scores[~np.isnan(scores)], 3),
     }
+    if len(batches) > 1 and automatic:
+        # what each batch alone would have chosen: the spread the pooled threshold replaces
+        result["batch_thresholds"] = [
+            None if t is None else round(t, 4)
+            for t in (_automatic_threshold(run["sim"]) for run in runs)
+        ]
+    return result
 
 
 @tool("doublets", needs=("detect_doublets",))
@@ -153,9 +193,14 @@ def remove_doublets(session: Session) -> dict[str, Any]:
             "remove_doublets: every cell is predicted a doublet; check detect_doublets' threshold"
         )
     session.adata = adata[~predicted].copy()
-    return {
+    result = {
         "cells_before": adata.n_obs,
         "cells_after": int((~predicted).sum()),
         "removed": int(predicted.sum()),
         "removed_fraction": round(float(np.mean(predicted)), 4),
     }
+    threshold = adata.uns.get("scrublet", {}).get("threshold")
+    if threshold is not None:  # the evidence of the removal, kept beside it
+        result["threshold"] = round(float(threshold), 4)
+    session.adata.uns["remove_doublets"] = dict(result)
+    return result

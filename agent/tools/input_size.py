@@ -2,10 +2,14 @@
 
 A matrix too big for the job is otherwise killed by the kernel (exit 137) with no record of why;
 its header (a MatrixMarket size line, HDF5 shapes and lengths) says how big it is in milliseconds.
+Too little memory is a fault of the job, not a verdict on the sample: the refusal is raised as
+a MemoryError's context, which the registry turns into an InfrastructureError (exit 1, retried
+with more memory, never kept as the sample's result).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 from pathlib import Path
@@ -24,6 +28,7 @@ from agent.registry import ToolError
 SPARSE_FACTOR = {"10x_mtx": 6.0, "10x_h5": 3.0, "h5ad": 3.0}
 DENSE_FACTOR = 5.0
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 # (file, cells, genes, what the matrix holds in words, bytes needed to read it)
 Declared = tuple[Path, int, int, str, float]
 
@@ -36,11 +41,12 @@ def check_fits(path: Path, fmt: str) -> None:
     file, n_cells, n_genes, holds, need = declared
     room, limit = available_memory()
     if need > room:
-        raise ToolError(
+        short = (
             f"{file} declares {n_cells:,} cells x {n_genes:,} genes with {holds}: reading it "
-            f"needs about {_gib(need)} GiB, this job has {_gib(room)} GiB available ({limit}); "
-            "give the job more memory, or load a subset of the cells"
+            f"needs about {_size(need)}, this job has {_size(room)} available ({limit}); "
+            "give the job more memory"
         )
+        raise ToolError(short) from MemoryError(short)
 
 
 def _csr_bytes(rows: int, cols: int, nnz: int, value_bytes: int, index_bytes: int) -> int:
@@ -100,13 +106,19 @@ def _sparse(group: h5py.Group, rows: int, cols: int, fmt: str) -> tuple[str, flo
     return f"{nnz:,} nonzero values", SPARSE_FACTOR[fmt] * need
 
 
-def available_memory() -> tuple[int, str]:
+def available_memory(cgroup_root: Path = CGROUP_ROOT) -> tuple[int, str]:
     """The most this process can still allocate, and the limit that sets it: free memory, the
-    memory limit of its cgroup (a Slurm job's or a container's) less the usage, ulimit -v."""
+    memory limit of its cgroup (v2, or v1's memory controller: a Slurm job's or a container's)
+    less the usage, Slurm's own figure for the job (--mem, --mem-per-cpu), ulimit -v."""
     found = []
     if (free := _kib_field("/proc/meminfo", "MemAvailable")) is not None:
         found.append((free, "free memory, MemAvailable in /proc/meminfo"))
-    found += _cgroup_room()
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    found += cgroup_room(lines, cgroup_root)
+    found += _slurm_room()
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         used = _kib_field("/proc/self/status", "VmSize") or 0
@@ -114,32 +126,61 @@ def available_memory() -> tuple[int, str]:
     return min(found, default=(2**63, "no limit known"))
 
 
-def _cgroup_room() -> list[tuple[int, str]]:
-    """Limit less usage of this process's cgroup (v2) and of each above it: Slurm sets the job's
-    limit a level or two above the task's. Page cache the kernel can drop does not count."""
-    root = Path("/sys/fs/cgroup")
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    own = next((line[3:] for line in lines if line.startswith("0::")), None)
-    if own is None:
-        return []
+def cgroup_room(lines: list[str], root: Path = CGROUP_ROOT) -> list[tuple[int, str]]:
+    """Limit less usage of the cgroup that ``lines`` (/proc/self/cgroup) name and of each above
+    it, v2 (``0::/path``) and v1 (``N:memory:/path``, or memory among other controllers): Slurm
+    sets the job's limit a level or two above the task's. Page cache the kernel can drop does not
+    count. On v1 /proc/meminfo is the host's, so this is the only figure that binds."""
     found = []
-    start = root / own.lstrip("/")
-    for folder in (start, *start.parents):
-        if not folder.is_relative_to(root):
-            break
-        try:
-            limit = (folder / "memory.max").read_text().strip()
-            used = int((folder / "memory.current").read_text())
-            stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
-        except (OSError, ValueError):
+    for line in lines:
+        _, controllers, own = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            start, files = root / own.lstrip("/"), _V2
+            top = root
+        elif "memory" in controllers.split(","):
+            top = root / "memory"
+            start, files = top / own.lstrip("/"), _V1
+        else:
             continue
-        if limit != "max":
-            room = int(limit) - used + int(stat.get("inactive_file", 0))
-            found.append((room, f"the memory limit of cgroup {folder}"))
+        for folder in (start, *start.parents):
+            if not folder.is_relative_to(top):
+                break
+            if (room := _room(folder, *files)) is not None:
+                found.append((room, f"the memory limit of cgroup {folder}"))
     return found
+
+
+# (limit, usage, reclaimable page cache in memory.stat) of cgroup v2 and v1
+_V2 = ("memory.max", "memory.current", "inactive_file")
+_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+# v1 writes "no limit" as the largest page-aligned signed 64-bit number
+_V1_UNLIMITED = 2**62
+
+
+def _room(folder: Path, limit_file: str, usage_file: str, reclaimable: str) -> int | None:
+    try:
+        limit = (folder / limit_file).read_text().strip()
+        used = int((folder / usage_file).read_text())
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= _V1_UNLIMITED:
+        return None
+    return int(limit) - used + int(stat.get(reclaimable, 0))
+
+
+def _slurm_room() -> list[tuple[int, str]]:
+    """Slurm's memory for the job (MB) less this process's resident memory: the limit Slurm
+    enforces where no cgroup shows it (e.g. a proctrack without memory cgroups)."""
+    env = os.environ
+    if mb := env.get("SLURM_MEM_PER_NODE"):
+        limit, name = int(mb), f"SLURM_MEM_PER_NODE={mb}"
+    elif (per := env.get("SLURM_MEM_PER_CPU")) and (cpus := env.get("SLURM_CPUS_ON_NODE")):
+        limit, name = int(per) * int(cpus), f"SLURM_MEM_PER_CPU={per} x {cpus} CPUs"
+    else:
+        return []
+    used = _kib_field("/proc/self/status", "VmRSS") or 0
+    return [(limit * 2**20 - used, f"Slurm's memory for the job, {name} MB")]
 
 
 def _kib_field(file: str, key: str) -> int | None:
@@ -151,5 +192,5 @@ def _kib_field(file: str, key: str) -> int | None:
     return int(match[1]) * 1024 if match else None
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.1f}"
+def _size(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.0f} MiB"

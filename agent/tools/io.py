@@ -109,6 +109,24 @@ def _read_mtx_folder(folder: Path) -> ad.AnnData:
     return adata
 
 
+def _merge_duplicate_genes(adata: ad.AnnData) -> ad.AnnData:
+    """One gene per name, its counts the sum of the genes sharing it (several IDs of one symbol):
+    made unique (A, A-1), both halves of one gene showed up as markers. Annotations: the first's."""
+    codes, names = pd.factorize(adata.var_names)
+    merge = sparse.csr_matrix(
+        (np.ones(len(codes), np.float32), (np.arange(len(codes)), codes)),
+        shape=(len(codes), len(names)),
+    )
+    first = np.unique(codes, return_index=True)[1]
+    return ad.AnnData(
+        sparse.csr_matrix(adata.X) @ merge,
+        obs=adata.obs,
+        var=adata.var.iloc[first].set_axis(names.astype(str)),
+        obsm=dict(adata.obsm),
+        uns=dict(adata.uns),
+    )
+
+
 def _special_kind(path: Path) -> str | None:
     """What a path is when it exists but is neither a regular file nor a folder."""
     try:
@@ -336,8 +354,9 @@ def load_data(
 
     Checks that the matrix holds raw integer counts (floats within 1e-6 of integers are rounded)
     of at least 30 cells, and reports shape, sparsity, where the gene symbols come from, and
-    how many mitochondrial, ribosomal and haemoglobin genes there are. Duplicate gene names are
-    made unique (A, A-1). Loading replaces any data loaded before, and every step starts again.
+    how many mitochondrial, ribosomal and haemoglobin genes there are. Genes that share a name
+    are merged into one (counts summed). Spatial spots (Visium coordinates) are named as such.
+    Loading replaces any data loaded before, and every step starts again.
     An error that a parameter can fix says so as load_data(NAME=VALUE).
 
     Args:
@@ -354,9 +373,14 @@ def load_data(
     except Exception as e:  # a corrupt or foreign file: say which and why
         raise _unreadable(source, e) from None
     original_dtype = str(adata.X.dtype) if adata.X is not None else "none"
+    spatial = "spatial" in adata.obsm or "spatial" in adata.uns
     adata = _select_counts(adata, source, layer)
     _check_cells(adata, source)
     _check_counts(adata, source, layer)
+    # X now holds checked counts: a log1p mark or a .raw from the file describe other values (with
+    # counts read from .raw the mark stayed, and filter_cells took X for normalised data)
+    adata.uns.pop("log1p", None)
+    adata.raw = None
     warnings: list[str] = []
     if n_rounded := _round_counts(adata):
         warnings.append(
@@ -365,7 +389,7 @@ def load_data(
     symbols_from = _gene_names(adata, source, gene_symbols, warnings)
     n_duplicated = int(adata.var_names.duplicated().sum())
     if n_duplicated:
-        adata.var_names_make_unique()
+        adata = _merge_duplicate_genes(adata)
     adata.X = sparse.csr_matrix(adata.X, dtype=np.float32)
     session.replace_data(adata)
 
@@ -387,7 +411,8 @@ def load_data(
         "median_counts_per_cell": float(np.median(counts)),
         "median_genes_per_cell": float(np.median(genes)),
         "gene_symbols_from": symbols_from,
-        "duplicate_gene_names_made_unique": n_duplicated,
+        "duplicate_genes_merged": n_duplicated,
+        "modality": "spatial spots" if spatial else "single cells or nuclei",
         "n_mt_genes": int(masks["mt"].sum()),
         "n_ribo_genes": int(masks["ribo"].sum()),
         "n_hb_genes": int(masks["hb"].sum()),
@@ -395,11 +420,16 @@ def load_data(
     }
 
 
+# How a result names the run's input: by role, never by its file or folder name, so the same bytes
+# renamed give the same record; meta.input_sha256 and meta.input_files identify it by content.
+INPUT = "<input>"
+
+
 def _shown(session: Session, source: Path) -> str:
-    """The input as the record names it: the input's name, or its path in the output folder, so
-    that the same bytes in a moved folder give the same record."""
+    """The file read as the record names it: the run's input (or a file in its 10x folder) as
+    ``<input>``, another file by its path in the output folder."""
     if session.input_path is not None and source.is_relative_to(session.input_path):
-        return str(source.relative_to(session.input_path.parent))
+        return str(INPUT / source.relative_to(session.input_path))
     return str(source.relative_to(session.outdir))
 
 

@@ -50,16 +50,141 @@ def qc_violin(adata: Any, seed: int) -> Any:
             outside = (values < value) if name.startswith("min") else (values > value)
             label = f"{name} {value:g} ({outside.sum()} cells outside)"
             ax.axhline(value, color="crimson", linestyle="--", linewidth=1, label=label)
-        if lines[key]:
-            ax.legend(loc="upper right", fontsize="small", title=source, title_fontsize="small")
+        if lines[key]:  # below the panel, off the cells
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), fontsize="small",
+                      title=source, title_fontsize="small")  # fmt: skip
     fig.suptitle(f"{adata.n_obs} cells")
+    return fig
+
+
+def qc_scatter(adata: Any) -> Any:
+    """Counts against genes per cell, coloured by percent mitochondrial counts, with the QC
+    thresholds (qc_lines) as lines and the cells above max_pct_mt ringed."""
+    source, lines = qc_lines(adata)
+    obs = adata.obs
+    counts, genes = obs["total_counts"].to_numpy(), obs["n_genes_by_counts"].to_numpy()
+    pct = obs["pct_counts_mt"].to_numpy()
+    order = np.argsort(pct, kind="stable")  # high-MT cells drawn last, on top
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    points = ax.scatter(counts[order], genes[order], c=pct[order], s=4, cmap="viridis",
+                        rasterized=True)  # fmt: skip
+    fig.colorbar(points, ax=ax, label="% mitochondrial counts", pad=0.02)
+    for key, values, draw in (("total_counts", counts, ax.axvline),
+                              ("n_genes_by_counts", genes, ax.axhline)):  # fmt: skip
+        for name, value in lines[key].items():
+            outside = (values < value) if name.startswith("min") else (values > value)
+            draw(value, color="crimson", linestyle="--", linewidth=1,
+                 label=f"{name} {value:g} ({outside.sum()} cells outside)")  # fmt: skip
+    for name, value in lines["pct_counts_mt"].items():
+        above = pct > value
+        ax.scatter(counts[above], genes[above], s=16, facecolors="none", edgecolors="crimson",
+                   linewidths=0.6, label=f"{name} {value:g} ({above.sum()} cells above)")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("total counts")
+    ax.set_ylabel("genes detected")
+    not_applied = adata.uns.get("qc_thresholds", {}).get("not_applied", {})
+    note = "; no mitochondrial genes: no MT filter" if "max_pct_mt" in not_applied else ""
+    ax.set_title(f"{adata.n_obs} cells{note}")
+    if ax.get_legend_handles_labels()[0]:  # below the axes, off the cells
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize="small",
+                  title=f"thresholds ({source})", title_fontsize="small")  # fmt: skip
+    return fig
+
+
+def doublet_scores(adata: Any) -> Any:
+    """Scrublet's doublet scores of the cells and of its simulated doublets with the threshold
+    (scanpy's scrublet_score_distribution on detect_doublets' uns['scrublet'])."""
+    stored = adata.uns.get("scrublet", {})
+    if "doublet_scores_sim" not in stored or "doublet_score" not in adata.obs:
+        raise ToolError("plot doublet_scores: call detect_doublets first")
+    fig = sc.pl.scrublet_score_distribution(adata, return_fig=True, show=False)
+    called = int(adata.obs["predicted_doublet"].astype(bool).sum())
+    removed = adata.uns.get("remove_doublets", {}).get("removed")
+    what = f"{removed} doublets removed" if removed is not None else f"{called} called doublets"
+    fig.suptitle(f"threshold {float(stored['threshold']):.3f}: {what} of {adata.n_obs} cells",
+                 y=1.04)  # fmt: skip
+    return fig
+
+
+def barcode_rank(adata: Any) -> Any:
+    """The ranked UMI curve of every barcode read, with the knee, the inflection, the ambient
+    bound and the barcodes kept as cells (call_cells' record in uns['cell_calling'])."""
+    record = adata.uns.get("cell_calling")
+    if record is None or "curve" not in record:
+        raise ToolError("plot barcode_rank: call_cells found no unfiltered droplet matrix to draw")
+    ranks = np.asarray(record["curve"]["rank"])
+    totals = np.asarray(record["curve"]["total"])
+    lowest = record["called_totals"]["min"]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    ax.loglog(ranks, np.maximum(totals, 0.5), color="grey", linewidth=1, label="barcodes")
+    kept = totals >= lowest
+    ax.loglog(ranks[kept], totals[kept], color="crimson", linewidth=2,
+              label=f"{record['n_cells']:,} cells kept (lowest {lowest} UMIs)")  # fmt: skip
+    evidence = record["evidence"]
+    for name, value, style in (
+        ("knee (retain)", evidence["knee"], "--"),
+        ("inflection", evidence["inflection"], ":"),
+        ("ambient bound", record["lower"], "-."),
+    ):
+        ax.axhline(value, color="black", linestyle=style, linewidth=1, label=f"{name} {value}")
+    ax.set_xlabel("barcode rank")
+    ax.set_ylabel("UMIs")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")  # off the curve
+    share = evidence["share_low_count"]
+    ax.set_title(f"{evidence['barcodes']:,} barcodes, {share:.0%} with <= {record['lower']} UMIs")
+    return fig
+
+
+def annotation_scores(adata: Any) -> Any:
+    """Mean marker-set score per cluster (rows) and cell type (columns) from annotate_clusters'
+    table, each row named with its label; a box marks the type chosen, a dot each type with all
+    the evidence a label needs (annotate_clusters' rule)."""
+    annotation = adata.uns.get("annotation")
+    if annotation is None or "table" not in annotation:
+        raise ToolError("plot annotation_scores: call annotate_clusters first")
+    table = annotation["table"]
+    clusters = list(dict.fromkeys(table["cluster"]))
+    scores = table.pivot(index="cluster", columns="cell_type", values="score")
+    scores = scores.loc[clusters, list(dict.fromkeys(table["cell_type"]))]
+    fig, ax = plt.subplots(figsize=(1 + 0.45 * scores.shape[1], 1.5 + 0.35 * len(clusters)))
+    limit = float(np.nanmax(np.abs(scores.to_numpy()))) or 1.0
+    image = ax.imshow(scores.to_numpy(), cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
+    fig.colorbar(image, ax=ax, label="mean score_genes score", shrink=0.6)
+    types = list(scores.columns)
+    for row, cluster in enumerate(clusters):
+        label = annotation["cluster_labels"][cluster]
+        if label in types:
+            col = types.index(label)
+            ax.add_patch(plt.Rectangle((col - 0.5, row - 0.5), 1, 1, fill=False, linewidth=2))
+    qualified = table[table["qualified"]]
+    ax.scatter(
+        [types.index(t) for t in qualified["cell_type"]],
+        [clusters.index(c) for c in qualified["cluster"]],
+        s=8, color="black", label="evidence for a label",
+    )  # fmt: skip
+    ax.set_xticks(range(len(types)), types, rotation=90)
+    ax.set_yticks(
+        range(len(clusters)), [f"{c}: {annotation['cluster_labels'][c]}" for c in clusters]
+    )
+    ax.set_xlabel("marker set")
+    ax.set_ylabel(f"{annotation['groupby']}: label")
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1.01), fontsize="small", frameon=False)
     return fig
 
 
 def _figure(session: Session, kind: str, color: str | None, groupby: str) -> Any:
     adata = session.adata
+    if kind == "annotation_scores":
+        return annotation_scores(adata)
+    if kind == "barcode_rank":
+        return barcode_rank(adata)
     if kind == "qc_violin":
         return qc_violin(adata, session.seed)
+    if kind == "qc_scatter":
+        return qc_scatter(adata)
+    if kind == "doublet_scores":
+        return doublet_scores(adata)
     if kind == "pca_variance":
         sc.pl.pca_variance_ratio(
             adata, n_pcs=min(50, adata.obsm["X_pca"].shape[1]), log=True, show=False
@@ -97,7 +222,15 @@ def _figure(session: Session, kind: str, color: str | None, groupby: str) -> Any
 
 # What each kind of figure needs; a dotplot needs annotate_clusters or rank_genes_groups, which
 # _figure checks (either will do).
-_NEEDS = {"qc_violin": ("qc_metrics",), "pca_variance": ("pca",), "umap": ("umap",)}
+_NEEDS = {
+    "qc_violin": ("qc_metrics",),
+    "qc_scatter": ("qc_metrics",),
+    "doublet_scores": ("detect_doublets",),
+    "pca_variance": ("pca",),
+    "umap": ("umap",),
+    "barcode_rank": ("call_cells",),
+    "annotation_scores": ("annotate_clusters",),
+}
 
 
 def _plot_needs(params: dict[str, Any]) -> tuple[str, ...]:
@@ -107,7 +240,16 @@ def _plot_needs(params: dict[str, Any]) -> tuple[str, ...]:
 @tool("plot", needs=_plot_needs, mutates=False)
 def plot(
     session: Session,
-    kind: Literal["qc_violin", "umap", "dotplot", "pca_variance"],
+    kind: Literal[
+        "qc_violin",
+        "umap",
+        "dotplot",
+        "pca_variance",
+        "barcode_rank",
+        "annotation_scores",
+        "qc_scatter",
+        "doublet_scores",
+    ],
     color: str | None = None,
     groupby: Key = "leiden",
     filename: str | None = None,
@@ -116,9 +258,15 @@ def plot(
 
     Kinds: 'qc_violin' (genes, counts, percent mitochondrial per cell, with the QC thresholds
     as dashed lines: those filter_by_qc applied, else those qc_metrics suggested; draw it after
-    qc_metrics and before filter_by_qc to see the cells the thresholds remove),
+    qc_metrics and before filter_by_qc to see the cells the thresholds remove), 'qc_scatter'
+    (counts vs genes per cell coloured by percent mitochondrial, with the same thresholds),
+    'doublet_scores' (Scrublet's scores of the cells and of simulated doublets with the
+    threshold; after detect_doublets, before remove_doublets),
     'umap' (coloured by a cell annotation or gene; after umap), 'dotplot' (marker genes per
-    group; after annotate_clusters or rank_genes_groups), 'pca_variance' (after pca).
+    group; after annotate_clusters or rank_genes_groups), 'pca_variance' (after pca),
+    'barcode_rank' (ranked UMIs per barcode with knee, inflection and the cells kept; after
+    call_cells found an unfiltered matrix), 'annotation_scores' (cluster x cell type marker
+    scores with the labels chosen and the types with evidence; after annotate_clusters).
 
     Args:
         kind: Which figure.
@@ -145,7 +293,7 @@ def plot(
         "path": str(target.relative_to(session.outdir)),
         "bytes": target.stat().st_size,
     }
-    if kind == "qc_violin":
+    if kind in ("qc_violin", "qc_scatter"):
         source, lines = qc_lines(session.adata)
         drawn = {name: value for panel in lines.values() for name, value in panel.items()}
         result["thresholds_drawn"] = {"from": source, **drawn} if drawn else {}

@@ -15,7 +15,7 @@ from scipy.stats import median_abs_deviation
 from agent.registry import ToolError, tool
 from agent.tools.common import Count, counts_matrix, obs_column, quantiles
 from agent.tools.session import Session
-from agent.tools.species import detect_species, symbol_rules
+from agent.tools.species import HUMAN, RULES, detect_species, symbol_rules
 
 Nmads = Annotated[float, Field(ge=1, le=10)]
 Percent = Annotated[float, Field(ge=0, le=100)]
@@ -30,43 +30,42 @@ MIN_MAX_PCT_MT = 5.0  # no cell under 5% mitochondrial counts is called damaged 
 
 def gene_masks(
     names: Any,
-    mt_prefix: str = "MT-",
-    ribo_prefixes: tuple[str, ...] = ("RPS", "RPL"),
-    hb_pattern: str = r"^HB[^(P)]",
+    mt_prefix: str = RULES[HUMAN].mt_prefix,
+    ribo_pattern: str = RULES[HUMAN].ribo_pattern,
+    hb_pattern: str = RULES[HUMAN].hb_pattern,
 ) -> dict[str, np.ndarray]:
-    """Mitochondrial, ribosomal and haemoglobin genes by symbol (the scanpy tutorial's rules),
-    matched case-insensitively: human (MT-CO1) and mouse (mt-Co1) symbols differ only in case."""
-    names = pd.Index(names).astype(str).str.upper()
+    """Mitochondrial (by prefix), ribosomal protein and haemoglobin genes (by pattern) of the
+    symbols, matched case-insensitively: human (MT-CO1) and mouse (mt-Co1) differ in case."""
+    names = pd.Index(names).astype(str)
     return {
-        "mt": np.asarray(names.str.startswith(mt_prefix.upper())),
-        "ribo": np.asarray(names.str.startswith(tuple(p.upper() for p in ribo_prefixes))),
+        "mt": np.asarray(names.str.upper().str.startswith(mt_prefix.upper())),
+        "ribo": np.asarray(names.str.contains(ribo_pattern, flags=re.IGNORECASE, regex=True)),
         "hb": np.asarray(names.str.contains(hb_pattern, flags=re.IGNORECASE, regex=True)),
     }
 
 
-def _check_patterns(mt_prefix: str, ribo_prefixes: list[str], hb_pattern: str) -> None:
-    if not mt_prefix or not ribo_prefixes or not all(ribo_prefixes):
+def _check_patterns(mt_prefix: str, ribo_pattern: str, hb_pattern: str) -> None:
+    if not mt_prefix:
         raise ToolError(
-            f"qc_metrics: mt_prefix={mt_prefix!r} and ribo_prefixes={list(ribo_prefixes)} must "
-            "be non-empty (an empty prefix matches every gene)"
+            f"qc_metrics: mt_prefix={mt_prefix!r} must be non-empty (it would match every gene)"
         )
-    try:
-        re.compile(hb_pattern)
-    except re.error as e:
-        raise ToolError(
-            f"qc_metrics: hb_pattern={hb_pattern!r} is not a regular expression ({e})"
-        ) from None
+    for name, pattern in (("ribo_pattern", ribo_pattern), ("hb_pattern", hb_pattern)):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ToolError(
+                f"qc_metrics: {name}={pattern!r} is not a regular expression ({e})"
+            ) from None
 
 
 def _species_patterns(
-    names: Any, mt_prefix: str | None, ribo_prefixes: tuple[str, ...] | None, hb_pattern: str | None
+    names: Any, mt_prefix: str | None, ribo_pattern: str | None, hb_pattern: str | None
 ) -> dict[str, Any]:
     """The gene-set patterns: those given, the rest from the species the symbols show."""
     species = detect_species(names)
     rules = symbol_rules(species["species"])
-    given = {"mt_prefix": mt_prefix, "ribo_prefixes": ribo_prefixes, "hb_pattern": hb_pattern}
+    given = {"mt_prefix": mt_prefix, "ribo_pattern": ribo_pattern, "hb_pattern": hb_pattern}
     patterns = {k: getattr(rules, k) if v is None else v for k, v in given.items()}
-    patterns["ribo_prefixes"] = list(patterns["ribo_prefixes"])  # as the record keeps it
     return {
         "species": species["species"],
         "species_evidence": species["evidence"],
@@ -81,29 +80,36 @@ def _mad_spread(values: np.ndarray, min_mad: float) -> dict[str, float]:
     return {"median": float(np.median(values)), "mad": mad, "mad_used": max(mad, min_mad)}
 
 
-def _suggest(obs: pd.DataFrame, nmads: float, nmads_mt: float) -> tuple[dict, dict, list[str]]:
-    """Thresholds at median +/- nmads floored MADs, the spreads used, and the floors that acted."""
+def _suggest(
+    obs: pd.DataFrame, nmads: float, nmads_mt: float, mt: bool = True
+) -> tuple[dict, dict, list[str]]:
+    """Thresholds at median +/- nmads floored MADs, the spreads used, and the floors that acted;
+    ``mt``: whether the data have mitochondrial genes (else no max_pct_mt: it could not act)."""
     spread = {
         "log1p_n_genes": _mad_spread(obs["log1p_n_genes_by_counts"].to_numpy(), MIN_LOG_MAD),
         "log1p_total_counts": _mad_spread(obs["log1p_total_counts"].to_numpy(), MIN_LOG_MAD),
-        "pct_counts_mt": _mad_spread(obs["pct_counts_mt"].to_numpy(), MIN_PCT_MT_MAD),
     }
-    genes, counts, mt = spread.values()
-    mt_by_mad = mt["median"] + nmads_mt * mt["mad_used"]
+    if mt:
+        spread["pct_counts_mt"] = _mad_spread(obs["pct_counts_mt"].to_numpy(), MIN_PCT_MT_MAD)
+    genes, counts = spread["log1p_n_genes"], spread["log1p_total_counts"]
     suggested = {
         "min_genes": max(0, math.floor(math.expm1(genes["median"] - nmads * genes["mad_used"]))),
         "max_genes": math.ceil(math.expm1(genes["median"] + nmads * genes["mad_used"])),
         "min_counts": max(0, math.floor(math.expm1(counts["median"] - nmads * counts["mad_used"]))),
         "max_counts": math.ceil(math.expm1(counts["median"] + nmads * counts["mad_used"])),
-        "max_pct_mt": round(min(100.0, max(MIN_MAX_PCT_MT, mt_by_mad)), 2),
     }
     floors = [
         f"{name} MAD {s['mad']:.3g} raised to {s['mad_used']}"
         for name, s in spread.items()
         if s["mad_used"] > s["mad"]
     ]
-    if mt_by_mad < MIN_MAX_PCT_MT:
-        floors.append(f"max_pct_mt {mt_by_mad:.2f} raised to the minimum {MIN_MAX_PCT_MT}")
+    if mt:
+        mt_by_mad = (
+            spread["pct_counts_mt"]["median"] + nmads_mt * spread["pct_counts_mt"]["mad_used"]
+        )
+        suggested["max_pct_mt"] = round(min(100.0, max(MIN_MAX_PCT_MT, mt_by_mad)), 2)
+        if mt_by_mad < MIN_MAX_PCT_MT:
+            floors.append(f"max_pct_mt {mt_by_mad:.2f} raised to the minimum {MIN_MAX_PCT_MT}")
     for s in spread.values():
         s.update({k: round(v, 4) for k, v in s.items()})
     return suggested, spread, floors
@@ -113,7 +119,7 @@ def _suggest(obs: pd.DataFrame, nmads: float, nmads_mt: float) -> tuple[dict, di
 def qc_metrics(
     session: Session,
     mt_prefix: str | None = None,
-    ribo_prefixes: tuple[str, ...] | None = None,
+    ribo_pattern: str | None = None,
     hb_pattern: str | None = None,
     nmads: Nmads = 5.0,
     nmads_mt: Nmads = 3.0,
@@ -126,19 +132,22 @@ def qc_metrics(
     outlier thresholds at median +/- nmads MADs (log scale for genes and counts; percent
     mitochondrial above median + nmads_mt MADs) with how many cells each would remove. Where
     most cells share one value the MAD is near 0: it is floored (0.1 on log scale, 0.5 percent
-    points), and max_pct_mt is at least 5%. The thresholds are kept in uns['qc_thresholds'] for
-    the QC violin plot.
+    points), and max_pct_mt is at least 5%. Without mitochondrial genes max_pct_mt is None (not
+    applied: it could not act). The thresholds are kept in uns['qc_thresholds'] for the QC
+    violin and scatter plots.
 
     Args:
         mt_prefix: Prefix of mitochondrial gene symbols; default from the detected species
             ('MT-' human, 'mt-' mouse).
-        ribo_prefixes: Prefixes of ribosomal protein genes; default from the detected species.
-        hb_pattern: Regular expression for haemoglobin genes; default from the detected species.
+        ribo_pattern: Regular expression for ribosomal protein genes; default from the detected
+            species (RPL/RPS genes, RPLP0-2, RPSA; not kinases such as RPS6KA1 or pseudogenes).
+        hb_pattern: Regular expression for haemoglobin genes; default from the detected species
+            (HBA1 ... HBZ; not HBEGF or HBP1).
         nmads: MADs from the median (log scale) beyond which genes/counts per cell are outliers.
         nmads_mt: MADs above the median beyond which percent mitochondrial counts is an outlier.
     """
     adata = session.adata
-    chosen = _species_patterns(adata.var_names, mt_prefix, ribo_prefixes, hb_pattern)
+    chosen = _species_patterns(adata.var_names, mt_prefix, ribo_pattern, hb_pattern)
     _check_patterns(**chosen["patterns"])
     masks = gene_masks(adata.var_names, **chosen["patterns"])
     for name, mask in masks.items():
@@ -148,16 +157,21 @@ def qc_metrics(
         adata, qc_vars=["mt", "ribo", "hb"], percent_top=None, log1p=True, inplace=True, layer=layer
     )
     obs = adata.obs
-    suggested, spread, floors = _suggest(obs, nmads, nmads_mt)
+    has_mt = bool(masks["mt"].any())
+    suggested, spread, floors = _suggest(obs, nmads, nmads_mt, mt=has_mt)
     method = (
         f"median +/- {nmads} MAD of log1p genes and counts (MAD at least {MIN_LOG_MAD}); "
         f"pct_counts_mt > max({MIN_MAX_PCT_MT}, median + {nmads_mt} MAD) "
         f"(MAD at least {MIN_PCT_MT_MAD})"
     )
+    not_applied = (
+        {} if has_mt else {"max_pct_mt": _no_mt(f"prefix {chosen['patterns']['mt_prefix']!r}")}
+    )
     adata.uns["qc_thresholds"] = {
         "suggested": dict(suggested),
         "method": method,
         "species": chosen["species"],
+        **({"not_applied": dict(not_applied)} if not_applied else {}),
     }
     genes, counts, mt = obs["n_genes_by_counts"], obs["total_counts"], obs["pct_counts_mt"]
     flagged = {
@@ -165,14 +179,9 @@ def qc_metrics(
         "max_genes": genes > suggested["max_genes"],
         "min_counts": counts < suggested["min_counts"],
         "max_counts": counts > suggested["max_counts"],
-        "max_pct_mt": mt > suggested["max_pct_mt"],
     }
-    warnings = []
-    if not masks["mt"].any():
-        warnings.append(
-            f"no mitochondrial genes with prefix {chosen['patterns']['mt_prefix']!r}: "
-            "pct_counts_mt is 0 and max_pct_mt removes nothing"
-        )
+    if has_mt:
+        flagged["max_pct_mt"] = mt > suggested["max_pct_mt"]
     return {
         "n_cells": adata.n_obs,
         **chosen,
@@ -182,14 +191,22 @@ def qc_metrics(
         "pct_counts_mt": quantiles(mt),
         "median_pct_counts_ribo": round(float(obs["pct_counts_ribo"].median()), 2),
         "median_pct_counts_hb": round(float(obs["pct_counts_hb"].median()), 3),
-        "suggested_thresholds": suggested,
+        "suggested_thresholds": {**suggested, **dict.fromkeys(not_applied)},  # None: not applied
+        "not_applied": not_applied,
         "cells_outside_each": {k: int(v.sum()) for k, v in flagged.items()},
         "cells_outside_any": int(np.logical_or.reduce(list(flagged.values())).sum()),
         "method": method,
         "spread": spread,
         "floors_applied": floors,
-        "warnings": warnings,
+        "warnings": list(not_applied.values()),
     }
+
+
+def _no_mt(found_by: str) -> str:
+    return (
+        f"no mitochondrial genes ({found_by}): percent mitochondrial is 0 in every cell, so no "
+        "max_pct_mt filter was applied"
+    )
 
 
 def _check_range(tool: str, low: float | None, high: float | None, what: str) -> None:
@@ -256,7 +273,9 @@ def filter_cells(
         mask, _ = sc.pp.filter_cells(counts, **{name: value}, inplace=False)
         removed_by[name] = int((~mask).sum())
         keep &= mask
-    return _apply_cell_mask(session, "filter_cells", keep, removed_by) | {"thresholds": given}
+    result = _apply_cell_mask(session, "filter_cells", keep, removed_by) | {"thresholds": given}
+    session.adata.uns["filter_cells"] = _settings(result)
+    return result
 
 
 @tool("gene_filter")
@@ -292,13 +311,21 @@ def filter_genes(
         )
     before = adata.n_vars
     session.adata = adata[:, keep].copy()
-    return {
+    result = {
         "genes_before": before,
         "genes_after": int(keep.sum()),
         "removed": before - int(keep.sum()),
         "removed_by": removed_by,
         "thresholds": given,
     }
+    session.adata.uns["filter_genes"] = _settings(result)
+    return result
+
+
+def _settings(result: dict[str, Any]) -> dict[str, Any]:
+    """A filter's record in uns (as scanpy keeps a step's parameters): its thresholds beside the
+    counts before and after and what each threshold removed."""
+    return {**result["thresholds"], **{k: v for k, v in result.items() if k != "thresholds"}}
 
 
 @tool("cell_filter", needs=("qc_metrics",))
@@ -330,6 +357,12 @@ def filter_by_qc(
     _check_range("filter_by_qc", min_genes, max_genes, "genes")
     _check_range("filter_by_qc", min_counts, max_counts, "counts")
     adata = session.adata
+    not_applied = {}
+    if "max_pct_mt" in given and "mt" in adata.var and not adata.var["mt"].any():
+        given.pop("max_pct_mt")  # a cut-off on a percent that is 0 everywhere cannot act
+        not_applied["max_pct_mt"] = _no_mt("var['mt'] of qc_metrics")
+        if not given:
+            raise ToolError(f"filter_by_qc: {not_applied['max_pct_mt']}; give genes or counts")
     hint = "call qc_metrics first"
     genes = obs_column(adata, "n_genes_by_counts", "filter_by_qc", hint).to_numpy()
     counts = obs_column(adata, "total_counts", "filter_by_qc", hint).to_numpy()
@@ -346,6 +379,9 @@ def filter_by_qc(
         removed_by[name] = int((~mask).sum())
         keep &= mask
     result = _apply_cell_mask(session, "filter_by_qc", keep, removed_by)
-    # the QC violin drawn after this shows the thresholds applied, not those suggested
-    session.adata.uns.setdefault("qc_thresholds", {})["applied"] = dict(given)
-    return result | {"thresholds": given}
+    # the QC plots drawn after this show the thresholds applied, not those suggested
+    stored = session.adata.uns.setdefault("qc_thresholds", {})
+    stored["applied"] = dict(given)
+    if not_applied:
+        stored["not_applied"] = dict(not_applied)
+    return result | {"thresholds": given, "not_applied": not_applied}

@@ -86,12 +86,15 @@ class Session:
         input_path: str | Path | None = None,
         checkpoint_every: int = 4,
         keep_checkpoints: int = 2,
+        celltypist_model: str | Path | None = None,
     ):
         self.outdir = Path(outdir).resolve()
         self.outdir.mkdir(parents=True, exist_ok=True)
         self.layout = SampleLayout(self.outdir)
         self.seed = seed
         self.input_path = Path(input_path).resolve() if input_path else None
+        # the run's CellTypist model (--celltypist-model): readable like the input, wherever it is
+        self.celltypist_model = Path(celltypist_model).resolve() if celltypist_model else None
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
         self._adata: Any = None
@@ -141,7 +144,7 @@ class Session:
         ):  # the input by name, as the brief has it
             return self.input_path
         path = (path if path.is_absolute() else self.outdir / path).resolve()
-        allowed = [self.outdir] + ([self.input_path] if self.input_path else [])
+        allowed = [self.outdir] + [p for p in (self.input_path, self.celltypist_model) if p]
         if not any(path == root or path.is_relative_to(root) for root in allowed):
             raise ToolError(
                 f"path {str(given)!r} is neither the run's input ({self.input_path}) nor inside "

@@ -18,16 +18,34 @@ MIN_SHARE = 0.6  # of the letter-bearing symbols, in one species' casing
 
 @dataclass(frozen=True)
 class SymbolRules:
-    """Gene-set patterns for QC, per species (scanpy tutorial's rules, in that species' casing)."""
+    """Gene-set patterns for QC, per species, in that species' casing (matched ignoring case).
+
+    The patterns name each set's genes exactly: prefixes would also take HBEGF, HBP1, HBS1L (not
+    haemoglobins) and RPS6KA1-6, RPS6KB1 (kinases), pseudogenes (RPL13AP5, HBBP1) and the -like
+    paralogs (RPL7L1, a ribosome biogenesis factor; RPL3L, RPL10L, RPL39L: muscle and testis).
+    """
 
     mt_prefix: str
-    ribo_prefixes: tuple[str, ...]
+    # the 80 cytoplasmic ribosomal protein genes: RPL/RPS + number (+ A, X, Y variants), the
+    # stalk proteins RPLP0-2 and RPSA
+    ribo_pattern: str
+    # alpha, beta, delta, epsilon, gamma, mu, theta and zeta globins (human HBA1 ... HBZ; mouse
+    # Hba-a1, Hba-x, Hbb-bs, Hbb-y, Hbq1a ...), not their pseudogenes
     hb_pattern: str
+    # prefixes of genes that follow cell size and quality, not type (left out of marker lists)
+    ribo_prefixes: tuple[str, ...]
 
 
 RULES = {
-    HUMAN: SymbolRules("MT-", ("RPS", "RPL"), r"^HB[^(P)]"),
-    MOUSE: SymbolRules("mt-", ("Rps", "Rpl"), r"^Hb[^(p)]"),
+    HUMAN: SymbolRules(
+        "MT-", r"^RP(?:[SL]\d+[AXY]?\d*|LP[0-2]|SA)$", r"^HB[ABDEGMQZ]\d?$", ("RPS", "RPL")
+    ),
+    MOUSE: SymbolRules(
+        "mt-",
+        r"^Rp(?:[sl]\d+[axy]?\d*|lp[0-2]|sa)$",
+        r"^Hb(?:a-(?:a\d|x)|b-(?:b[st\d]|bh\d|y)|q1[ab])$",
+        ("Rps", "Rpl"),
+    ),
 }
 
 

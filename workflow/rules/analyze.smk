@@ -6,9 +6,14 @@
 # exits 3, which the job accepts as the sample's result (a retry would end the same way): the log
 # ends with "input refused (exit 3)" and the reason, which the record's meta.error keeps too; a
 # fixed sheet row (its `layer` or `gene_symbols` column) redoes the sample. A fault of the machine
-# (server gone, I/O error, SIGTERM at a time limit) exits non-zero; the unfinished record in
-# checkpoints/ lets the retry resume. A rerun of a finished sample with the same settings keeps
-# its record (the same file) and redoes nothing.
+# (server gone, I/O error, too little memory or disk for the input, SIGTERM at a time limit)
+# exits non-zero; the unfinished record in checkpoints/ lets the retry, with more memory, resume.
+# A rerun of a finished sample with the same settings keeps its record (the same file) and
+# redoes nothing, and publishes again, from their copies beside the checkpoints, the outputs
+# Snakemake deleted (a job failed after the agent ended, e.g. "output older than input" when the
+# input's time is in the future). One results folder per workflow: a folder another run's agent
+# writes stops the workflow before any job (common.smk, analyze_input). Snakemake deletes a job's
+# log before each attempt: every attempt's is also appended to logs/analyze/{sample}.attempts.log.
 #
 # Declared: the record, the metrics and plots/ (made even when nothing was drawn). Not declared:
 # adata.h5ad, which only a finished analysis writes (Snakemake has no optional outputs, and a
@@ -47,6 +52,7 @@ rule analyze:
     params:
         args=analyze_args,
         outdir=str(SAMPLE.root),  # Snakemake fills in {sample}, as in the outputs
+        attempts="logs/analyze/{sample}.attempts.log",
         wait_for_server=WAIT_FOR_SERVER,
     threads: sample_value("cpus_per_task")
     resources:
@@ -61,10 +67,13 @@ rule analyze:
     container: "envs/agent.sif"
     shell:
         """
-        echo "host $(hostname), slurm job ${{SLURM_JOB_ID:-none}}" > {log:q}
-        {{ {params.wait_for_server}; }} >> {log:q} 2>&1
+        set -o pipefail  # the agent's exit status, not tee's
+        echo "$(date -u +%FT%TZ) host $(hostname), slurm job ${{SLURM_JOB_ID:-none}}" \
+            | tee -a {params.attempts:q} > {log:q}
+        {{ {params.wait_for_server}; }} 2>&1 | tee -a {params.attempts:q} >> {log:q}
         # BLAS threads within the job's allocation
         export OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} MKL_NUM_THREADS={threads}
-        python -m agent run --outdir {params.outdir:q} {params.args} >> {log:q} 2>&1 || [ $? -eq 3 ]
+        python -m agent run --outdir {params.outdir:q} {params.args} 2>&1 \
+            | tee -a {params.attempts:q} >> {log:q} || [ $? -eq 3 ]
         mkdir -p {output.plots:q}  # an analysis that drew nothing still has the declared folder
         """

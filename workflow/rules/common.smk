@@ -14,6 +14,7 @@ from snakemake.utils import validate
 # puts the main Snakefile's folder on sys.path.
 from agent.endpoint import EndpointError, read_api_key
 from agent.layout import SampleLayout
+from agent.lock import holder_of
 from agent.samplesheet import SampleSheetError, load_sheet
 
 # Paths of this workflow's own files come from this file's folder (workflow.current_basedir), not
@@ -104,19 +105,28 @@ SHARD_OF = {name: shard for shard, members in SHARDS.items() for name in members
 
 
 # Memory and runtime grow with each attempt (the profile's `retries`): a job killed for either
-# would fail again with the same amount.
+# would fail again with the same amount. A job alone doubles them per attempt. A server's group
+# (the server and its shard's agents, one allocation whose request is their sum) grows by a
+# quarter per attempt: doubled, the cluster example's 192 GB / 12 h would ask 384 GB / 24 h, more
+# than most GPU nodes or partitions grant, and the retry would never start.
 GROWING = ("mem_mb", "runtime")
+GROWTH = 1.0
+GROUP_GROWTH = 0.25
 
 
-def per_attempt(value):
-    """A resource that is `value` on the first attempt, twice that on the second, ..."""
-    return lambda wildcards, attempt: value * attempt
+def grown(value, attempt, growth):
+    """`value` on the first attempt, then `growth` times it more per later attempt."""
+    return int(value * (1 + growth * (attempt - 1)))
 
 
-def job_resources(spec):
+def per_attempt(value, growth=GROWTH):
+    return lambda wildcards, attempt: grown(value, attempt, growth)
+
+
+def job_resources(spec, growth=GROWTH):
     """Resources from a config entry; an empty partition is left to the profile's default."""
     return {
-        key: per_attempt(value) if key in GROWING else value
+        key: per_attempt(value, growth) if key in GROWING else value
         for key, value in spec.items()
         if key != "slurm_partition" or value
     }
@@ -127,9 +137,17 @@ def rule_resources(rule_name):
 
 
 def server_resources():
-    """GPUs as `gres` when a typed string is configured, else Snakemake's `gpu` resource."""
+    """GPUs as `gres` when a typed string is configured, else Snakemake's `gpu` resource; one
+    node and one task: vLLM runs its tensor-parallel workers itself on the node's GPUs, and the
+    Slurm plugin's default for a GPU job (`--ntasks-per-gpu=1`, no `--nodes`) would let N GPUs
+    become N tasks spread over nodes (tasks_per_gpu 0 drops that flag)."""
     gpus = {"gres": SERVER["gres"]} if SERVER["gres"] else {"gpu": SERVER["gpus"]}
-    return {**job_resources(SERVER["resources"]), **gpus}
+    return {
+        **job_resources(SERVER["resources"], GROUP_GROWTH),
+        **gpus,
+        "nodes": 1,
+        "tasks_per_gpu": 0,
+    }
 
 
 def sample_value(key):
@@ -144,8 +162,14 @@ def sample_value(key):
 
 
 def sample_per_attempt(key):
-    """A per-sample resource, multiplied by the attempt (see GROWING)."""
-    return lambda wildcards, attempt: SAMPLES[wildcards.sample][key] * attempt
+    """A per-sample resource, grown with the attempt (see GROWING): by a quarter inside a
+    server's group, else doubled."""
+
+    def value(wildcards, attempt):
+        growth = GROUP_GROWTH if wildcards.sample in SHARD_OF else GROWTH
+        return grown(SAMPLES[wildcards.sample][key], attempt, growth)
+
+    return value
 
 
 def analyze_partition():
@@ -174,7 +198,18 @@ def input_data(wildcards):
 
 
 def analyze_input(wildcards):
+    # Before Snakemake deletes a job's outputs: a folder another workflow's agent writes is not
+    # this workflow's to clean (one results folder per workflow)
+    folder = str(SAMPLE.root).format(sample=wildcards.sample)
+    if holder := holder_of(SampleLayout(folder).lock):
+        raise WorkflowError(
+            f"{folder} is being written by another run ({holder}), e.g. a second workflow on "
+            "the same results folder: one results folder per workflow; wait for that run to "
+            "end (or stop it), then run this again"
+        )
     inputs = {"data": input_data(wildcards)}
+    if SAMPLES[wildcards.sample]["celltypist_model"]:  # a changed model reruns the sample
+        inputs["celltypist_model"] = SAMPLES[wildcards.sample]["celltypist_model"]
     if wildcards.sample in SHARD_OF:
         inputs["endpoint"] = ENDPOINT.format(shard=SHARD_OF[wildcards.sample])
     return inputs
@@ -201,10 +236,12 @@ def analyze_args(wildcards):
     args += ["--replace-changed"]
     args += ["--seed", str(s["seed"]), "--max-steps", str(s["max_steps"])]
     if s["brief"]:
-        args += ["--brief", s["brief"]]
+        args += [f"--brief={s['brief']}"]  # one word: a brief may start with "--"
     for column in ("layer", "gene_symbols"):  # optional sheet columns, no config default
         if s.get(column):
             args += [f"--{column.replace('_', '-')}", s[column]]
+    if s["celltypist_model"]:
+        args += ["--celltypist-model", s["celltypist_model"]]
     if s["policy"] == "llm":
         args += ["--outage-wait", str(SERVER["outage_wait"])]
         if not SERVER["thinking"]:

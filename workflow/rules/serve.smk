@@ -42,6 +42,7 @@ rule serve_vllm:
 
 rule fetch_model:
     """Download server.model at server.revision into the Hugging Face cache (login node)."""
+    localrule: True  # needs the internet, which compute nodes may not have; kept under a module prefix
     output:
         fetched_marker(),
     log:

@@ -1,0 +1,164 @@
+"""call_cells on real cells with and without their empty droplets, and load_data's content checks
+(counts in .raw, spatial spots); genes sharing a name are tested in test_tools_io.py.
+
+The unfiltered matrix is pbmc68k_reduced's 700 real PBMCs (counts rebuilt as
+tests/fixtures_realdata.py does) plus 20,000 empty droplets: multinomial draws of 1-100 UMIs from
+the pooled counts of those same cells, the ambient RNA a droplet catches when the cells lyse.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pytest
+from scipy import sparse
+
+from agent.config import RunConfig
+from agent.policies.reference import _conclusion, _doublet_rate
+from agent.runner import run_sample
+from agent.tools.session import Session
+from agent.world_state import WorldState
+from tests.fixtures_data import call_tool as call
+from tests.fixtures_data import run_reference
+from tests.fixtures_realdata import REAL_SETS, shipped_file
+
+N_EMPTY = 20_000
+
+
+def _real_cells() -> ad.AnnData:
+    real = REAL_SETS["pbmc68k_reduced"]
+    source = shipped_file(real)
+    if source is None:
+        pytest.skip("scanpy's pbmc68k_reduced is not installed")
+    return real.read(source)[0]
+
+
+def _empties(cells: ad.AnnData, n: int, seed: int) -> ad.AnnData:
+    """Droplets of ambient RNA only: 1-100 UMIs drawn from the cells' pooled profile."""
+    rng = np.random.default_rng(seed)
+    pooled = np.asarray(cells.X.sum(axis=0)).ravel()
+    draws = rng.multinomial(rng.integers(1, 101, n), pooled / pooled.sum())
+    empty = ad.AnnData(sparse.csr_matrix(draws.astype(np.float32)))
+    empty.obs_names, empty.var_names = [f"EMPTY{i}" for i in range(n)], cells.var_names
+    return empty
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("droplets")
+    cells = _real_cells()
+    paths = {"filtered": folder / "filtered.h5ad", "unfiltered": folder / "unfiltered.h5ad"}
+    cells.write_h5ad(paths["filtered"])
+    ad.concat([cells, _empties(cells, N_EMPTY, seed=0)]).write_h5ad(paths["unfiltered"])
+    return paths
+
+
+def _loaded(path: Path, outdir: Path) -> Session:
+    session = Session(outdir, input_path=path)
+    assert call(session, "load_data").ok
+    return session
+
+
+def _empty_share(adata: ad.AnnData) -> float:
+    return float(adata.obs_names.str.startswith("EMPTY").mean())
+
+
+def test_unfiltered_droplets_keep_the_cells_and_record_the_evidence(inputs, tmp_path):
+    session = _loaded(inputs["unfiltered"], tmp_path)
+    out = call(session, "call_cells")
+    assert out.ok, out.error
+    r = out.result
+    assert r["decision"] == "unfiltered" and r["reason"].startswith("unfiltered: 20,700 barcodes")
+    evidence = r["evidence"]
+    assert evidence["barcodes"] == 700 + N_EMPTY and evidence["share_low_count"] > 0.9
+    assert 100 < evidence["inflection"] <= evidence["knee"]  # both above the empties
+    assert r["barcodes_retained"] + r["barcodes_called"] == r["n_cells"] == session.adata.n_obs
+    assert r["n_cells"] >= 0.95 * 700 and _empty_share(session.adata) <= 0.01
+    assert r["ambient"]["barcodes"] == N_EMPTY and len(r["ambient"]["top_genes"]) == 10
+    assert (r["fdr_threshold"], r["lower"], r["iterations"], r["seed"]) == (0.001, 100, 10_000, 0)
+    stored = session.adata.uns["cell_calling"]
+    assert stored["decision"] == "unfiltered" and stored["retain"] == evidence["knee"]
+    assert len(stored["curve"]["rank"]) == len(stored["curve"]["total"]) > 100
+    assert (session.adata.obs["empty_drops_fdr"] <= 0.001).all()
+    plotted = call(session, "plot", kind="barcode_rank")
+    assert plotted.ok and (tmp_path / plotted.result["path"]).stat().st_size > 10_000
+
+
+def test_a_filtered_matrix_passes_through_unchanged(inputs, tmp_path):
+    session = _loaded(inputs["filtered"], tmp_path)
+    before = session.adata.copy()
+    out = call(session, "call_cells")
+    assert out.ok and out.result["decision"] == "filtered"
+    assert out.result["reason"].startswith("filtered: 700 barcodes, 0.0% with <= 100 UMIs")
+    assert list(session.adata.obs_names) == list(before.obs_names)
+    assert (session.adata.X != before.X).nnz == 0
+    refused = call(session, "plot", kind="barcode_rank")  # nothing to draw: no droplets called
+    assert not refused.ok and "no unfiltered droplet matrix" in refused.error
+
+
+def test_droplets_without_cells_are_refused_as_input(tmp_path):
+    path = tmp_path / "ambient.h5ad"
+    _empties(_real_cells(), 5_000, seed=1).write_h5ad(path)
+    config = RunConfig(input=path, outdir=tmp_path / "run", policy="reference")
+    assert run_sample(config) == "input_refused"  # `agent run` exits 3: nothing analysed
+    record = WorldState.load(config.outdir / "world_state.json")
+    assert [e.tool for e in record.entries] == ["load_data", "call_cells"]
+    reason = record.meta["error"]
+    assert reason.startswith("input refused: call_cells: 5,000 barcodes, 100.0% with <= 100 UMIs")
+    assert "cells cannot be told from empty droplets" in reason
+    assert not (config.outdir / "adata.h5ad").exists()
+
+
+def test_the_reference_analysis_of_droplets_matches_that_of_the_cells(inputs, tmp_path):
+    """Done-when of issue 24: about as many real cells kept from the unfiltered matrix as from the
+    filtered one (within 5 points), at most 1% empty barcodes in the final object."""
+    final = {}
+    for name, path in inputs.items():
+        session, world = run_reference(path, tmp_path / name)
+        assert world.entries[-1].tool == "finish" and world.entries[-1].status == "ok"
+        final[name] = (session.adata, world)
+    kept = {
+        name: adata.n_obs - adata.obs_names.str.startswith("EMPTY").sum()
+        for name, (adata, _) in final.items()
+    }
+    assert abs(kept["unfiltered"] - kept["filtered"]) / 700 <= 0.05, kept
+    assert _empty_share(final["unfiltered"][0]) <= 0.01
+    unfiltered, filtered = final["unfiltered"][1], final["filtered"][1]
+    plots = {
+        e.params.get("kind") for e in unfiltered.entries if e.tool == "plot" and e.status == "ok"
+    }
+    assert "barcode_rank" in plots
+    assert "unfiltered: 20,700 barcodes" in unfiltered.entries[-1].params["conclusion"]
+    calling = next(e for e in filtered.entries if e.tool == "call_cells")
+    assert calling.result["decision"] == "filtered" and calling.result["n_cells"] == 700
+
+
+def test_counts_in_raw_become_x_and_the_filters_work(tmp_path):
+    counts = _real_cells()[:100]
+    lognorm = counts.copy()
+    lognorm.raw = counts
+    lognorm.X = np.log1p(lognorm.X.toarray())
+    lognorm.uns["log1p"] = {"base": None}
+    path = tmp_path / "lognorm.h5ad"
+    lognorm.write_h5ad(path)
+    session = Session(tmp_path / "o", input_path=path)
+    assert call(session, "load_data", layer="raw").ok
+    assert session.adata.raw is None and "log1p" not in session.adata.uns
+    assert (session.adata.X != counts.X).nnz == 0
+    assert call(session, "filter_cells", min_genes=10).ok
+    assert call(session, "filter_genes", min_cells=3).ok
+
+
+def test_spatial_spots_are_named_and_skip_doublet_detection(tmp_path):
+    spots = _real_cells()[:200]
+    spots.obsm["spatial"] = np.random.default_rng(0).uniform(0, 6000, (200, 2))
+    path = tmp_path / "visium.h5ad"
+    spots.write_h5ad(path)
+    out = call(Session(tmp_path / "o", input_path=path), "load_data")
+    assert out.ok and out.result["modality"] == "spatial spots"
+    facts = {"load_data": out.result, "qc_metrics": {"n_cells": 200}}
+    assert _doublet_rate(lambda tool: facts.get(tool, {})) is None
+    conclusion = _conclusion(lambda tool: facts.get(tool, {}))["conclusion"]
+    assert "spatial spots: doublet detection skipped" in conclusion
