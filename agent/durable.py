@@ -254,3 +254,21 @@ class RecordWriter:
         # Durable renames before the file they replaced is written again as the spare.
         self._sync_folders(background=append)
         self._published, self._spare = (head, n, stamp), published if append else None
+
+
+def same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def link_atomically(source: Path, name: Path) -> None:
+    """``name`` becomes a hard link of ``source``, atomically (a reader sees one or the other)."""
+    if same_file(source, name):
+        return
+    name.parent.mkdir(parents=True, exist_ok=True)
+    tmp = name.with_name(f".{name.name}.link")
+    tmp.unlink(missing_ok=True)
+    os.link(source, tmp)
+    os.replace(tmp, name)

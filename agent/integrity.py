@@ -15,7 +15,8 @@ from itertools import pairwise
 from pathlib import Path
 
 from agent.layout import SampleLayout
-from agent.world_state import WorldState, link, seal
+from agent.registry import infrastructure_fault
+from agent.world_state import WorldState, link, record_version, seal
 
 NO_CHAIN = "record has no hash chain (made before it existed)"
 CHAINED = 2  # meta.record_version from which a record must carry its chain and seal
@@ -31,7 +32,7 @@ def unchained(world: WorldState) -> bool:
     """A record made before entries were chained and meta sealed: those cannot be checked. Its
     version says so; a newer record without them had them removed."""
     meta = world.meta
-    old = meta.get("record_version", 1) < CHAINED
+    old = record_version(meta) < CHAINED
     return old and "seal" not in meta and not any(e.chain for e in world.entries)
 
 
@@ -133,7 +134,9 @@ def _final(world: WorldState, folder: Path) -> list[Problem]:
         return []  # digests of another scheme cannot be compared
     try:
         digest = digest_adata(ad.read_h5ad(path))
-    except Exception as e:  # whatever makes it unreadable is the finding
+    except Exception as e:  # whatever makes it unreadable is the finding, but the machine's fault
+        if infrastructure_fault(e):  # (EIO, no memory) says nothing of the file: the caller's
+            raise
         return [Problem(finish.step, f"{path} cannot be read ({type(e).__name__}: {e})")]
     if digest != finish.digest_after:
         return [

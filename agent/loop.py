@@ -113,17 +113,19 @@ def run_loop(
 
 def input_refusal(world: WorldState) -> str | None:
     """Why the input was refused: the last load_data error, when load_data failed and never
-    succeeded; or the last call_cells error, when it failed and never succeeded on the data
-    loaded (droplets whose cells cannot be told from empty ones). None otherwise."""
+    succeeded; or the last call_cells verdict (droplets whose cells cannot be told from empty
+    ones), when nothing succeeded after the data were loaded: not arguments the tool rejected,
+    and not a run that went on past it. None otherwise."""
     loads = [e for e in world.entries if e.tool == LOAD]
     if not loads:
         return None
     loaded = [e.step for e in loads if e.status == "ok"]
     if not loaded:
         return loads[-1].error
-    calls = [e for e in world.entries if e.tool == CALL_CELLS and e.step > loaded[-1]]
-    if calls and not any(e.status == "ok" for e in calls):
-        return calls[-1].error
+    after = [e for e in world.entries if e.step > loaded[-1]]
+    verdicts = [e for e in after if e.tool == CALL_CELLS and e.rejected_arguments is None]
+    if verdicts and not any(e.status == "ok" for e in after):
+        return verdicts[-1].error
     return None
 
 

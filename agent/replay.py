@@ -41,10 +41,10 @@ from agent.durable import atomic_write_json
 from agent.integrity import CHAINED, NO_CHAIN, check_record, unchained
 from agent.layout import SampleLayout
 from agent.policies.base import PolicyUnavailable
-from agent.provenance import checksum, input_checksums, now, versions
+from agent.provenance import checksum, file_sha256, input_checksums, now, versions
 from agent.registry import InfrastructureError, infrastructure_fault
 from agent.signals import Interrupted, interruptible
-from agent.world_state import Entry, WorldState
+from agent.world_state import Entry, WorldState, record_version
 
 RTOL = 1e-6
 ATOL = 1e-9
@@ -268,6 +268,29 @@ def verdict(steps: list[StepComparison]) -> tuple[str, int | None, str]:
     return "reproduced", None, f"all {len(steps)} steps reproduced exactly"
 
 
+def check_model(recorded: WorldState, source: Path) -> None:
+    """The run's CellTypist model, where it had one, still there with the content it had; else
+    a NotReplayed (or MachineFault) saying so, before anything runs."""
+    meta = recorded.meta
+    if not meta.get("celltypist_model"):
+        return
+    path = Path(meta["celltypist_model"])
+    where = f"recorded in {source}, meta.celltypist_model"
+    if not path.is_file():
+        raise NotReplayed(f"the CellTypist model {path} ({where}) is gone")
+    try:
+        sha256 = file_sha256(path)
+    except OSError as e:
+        if _machine(e):
+            raise MachineFault(f"the CellTypist model {path} ({where}) cannot be read", e) from None
+        raise NotReplayed(f"the CellTypist model {path} ({where}) cannot be read: {e}") from None
+    if sha256 != meta.get("celltypist_model_sha256"):
+        raise NotReplayed(
+            f"the CellTypist model {path} ({where}) is not the model the analysis used: sha256 "
+            f"{sha256}, the record says {meta.get('celltypist_model_sha256')}"
+        )
+
+
 def check_input(recorded: WorldState, source: Path, given: str | Path | None = None) -> Path:
     """The input to replay on (``given``, else meta.input), holding the very data the analysis
     read (by content, not location), or a NotReplayed saying what is missing or differs."""
@@ -382,7 +405,7 @@ def _as_now(e: Entry, meta: dict[str, Any]) -> Entry:
     from agent.tools.io import INPUT
 
     path, name = (e.result or {}).get("path"), Path(meta.get("input") or "").name
-    old = meta.get("record_version", 1) < CHAINED and e.tool == "load_data" and name
+    old = record_version(meta) < CHAINED and e.tool == "load_data" and name
     if old and isinstance(path, str) and (path == name or path.startswith(f"{name}/")):
         return dataclasses.replace(e, result={**e.result, "path": INPUT + path[len(name) :]})
     return e
@@ -408,9 +431,15 @@ def replay(
         try:
             scratch, remove = _scratch(workdir)
             recorded = _load(source)
-            problems = check_record(recorded, source.parent)
+            try:
+                problems = check_record(recorded, source.parent)
+            except Exception as e:
+                if _machine(e):  # the final object unreadable for the machine's sake
+                    raise MachineFault(f"cannot check {source.parent}", e) from e
+                raise
             note = NO_CHAIN if unchained(recorded) else None
             input_path = check_input(recorded, source, input_path)
+            check_model(recorded, source)
             status, crash, steps = _rerun(recorded, source, input_path, scratch, tol)
         except MemoryError as e:
             reason, fault = str(MachineFault("the replay ran out of memory", e)), True

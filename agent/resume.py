@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 from typing import Any, Literal
 
+from agent.durable import link_atomically, same_file
 from agent.integrity import check_record
 from agent.layout import SampleLayout
 from agent.provenance import now
 from agent.registry import ToolRegistry
-from agent.world_state import WorldState
+from agent.world_state import WorldState, record_version
 
 # ended with the analysis' own result (a refused input is refused again by the same settings)
 RESULTS = ("finished", "repeated_failures", "input_refused")
+# meta.record_version from which input_refused is the input's content only, never the job's memory
+RESOURCES_ARE_FAULTS = 2
 
 Action = Literal["new", "keep", "resume"]
 
@@ -90,6 +92,11 @@ def plan(
         return "new", None
     refuse_other_settings(layout, earlier.meta, wanted)
     status = earlier.meta.get("status")
+    if status == "input_refused" and record_version(earlier.meta) < RESOURCES_ARE_FAULTS:
+        # before version 2 too little memory for the input was a refusal too: not a result to
+        # keep; a refusal of the content costs a load_data to find again
+        set_aside(layout)
+        return "new", None
     if (
         status in RESULTS
         or ended_with_finish(earlier)
@@ -126,24 +133,6 @@ def set_aside(layout: SampleLayout) -> None:
                 p.unlink()
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _link(source: Path, name: Path) -> None:
-    """``name`` becomes a hard link of ``source``, atomically (a reader sees one or the other)."""
-    if _same_file(source, name):
-        return
-    name.parent.mkdir(parents=True, exist_ok=True)
-    tmp = name.with_name(f".{name.name}.link")
-    tmp.unlink(missing_ok=True)
-    os.link(source, tmp)
-    os.replace(tmp, name)
-
-
 def publish(layout: SampleLayout) -> None:
     """Keep a copy of every published file beside the checkpoints, and publish again what is
     gone: Snakemake deletes a job's declared outputs when it fails, even after the agent ended
@@ -153,10 +142,10 @@ def publish(layout: SampleLayout) -> None:
     the final data and plots are written under their names (the copy follows them); metrics rows
     appended to a name that was deleted and made anew go after the copy's."""
     if layout.record_copy.exists():
-        _link(layout.record_copy, layout.record)
+        link_atomically(layout.record_copy, layout.record)
     if layout.metrics_copy.exists():
         _merge_metrics(layout)
-        _link(layout.metrics_copy, layout.metrics)
+        link_atomically(layout.metrics_copy, layout.metrics)
     plots = {
         p.name
         for folder in (layout.plots, layout.plots_copy)
@@ -168,9 +157,9 @@ def publish(layout: SampleLayout) -> None:
     pairs += [(layout.plots / n, layout.plots_copy / n) for n in sorted(plots)]
     for name, copy in pairs:
         if name.exists():
-            _link(name, copy)
+            link_atomically(name, copy)
         elif copy.exists():
-            _link(copy, name)
+            link_atomically(copy, name)
 
 
 def catch_up(world: WorldState, session: Any, registry: ToolRegistry) -> dict[str, Any]:
@@ -199,7 +188,7 @@ def _merge_metrics(layout: SampleLayout) -> None:
     link while the run went on) go after the kept copy's; rows both hold (a folder copied without
     its hard links) are not repeated."""
     path, kept = layout.metrics, layout.metrics_copy
-    if not (path.exists() and kept.exists()) or _same_file(path, kept):
+    if not (path.exists() and kept.exists()) or same_file(path, kept):
         return
     new, old = path.read_bytes(), kept.read_bytes()
     if not old.endswith(new):

@@ -147,13 +147,14 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
         seed=config.seed,
         versions=versions(),
         digest_version=DIGEST_VERSION,
-        record_version=RECORD_VERSION,
         host=platform.node(),
         slurm_job_id=os.environ.get("SLURM_JOB_ID"),
         ended=None,
         status="running",
     )
     meta.pop("error", None)
+    if not world.entries:  # a resumed record keeps the version it was begun with
+        meta["record_version"] = RECORD_VERSION
     registry = build_registry()
     context = None
     try:
@@ -220,16 +221,21 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
 def _record_ending(world: WorldState, layout: Any) -> None:
     """Save the record that says how a run broke off, and keep copies of what it published. When
     even that fails (the disk is full), the log says so: the record still says running."""
+    sample = world.meta.get("sample")
     try:
         world.save_record(layout)
-        publish(layout)
     except OSError as e:
         print(
-            f"[{world.meta.get('sample')}] could not save the record to say "
-            f"{world.meta['status']!r} ({world.meta.get('error')}): {e}; {layout.record_copy} "
-            f"still says running after step {world.next_step - 1}, and a rerun resumes from it",
+            f"[{sample}] could not save the record to say {world.meta['status']!r} "
+            f"({world.meta.get('error')}): {e}; {layout.record_copy} still says running after "
+            f"step {world.next_step - 1}, and a rerun resumes from it",
             file=sys.stderr,
         )
+        return
+    try:
+        publish(layout)
+    except OSError as e:  # the record is saved; only the published names may lack their files
+        print(f"[{sample}] could not publish the outputs in {layout.root}: {e}", file=sys.stderr)
 
 
 def prompt_digest(system_prompt: str, tools: list[dict[str, Any]]) -> str:

@@ -28,6 +28,13 @@ SCHEMA_VERSION = 1
 # meta.record_version: 2 = every entry chained and a final meta sealed, and load_data naming the
 # run's input as "<input>" (by role; its content is meta.input_sha256); absent = 1, made before.
 RECORD_VERSION = 2
+
+
+def record_version(meta: dict[str, Any]) -> int:
+    """The version a record was begun with (1: before the field existed)."""
+    return int(meta.get("record_version", 1))
+
+
 HEADER = "WORLD STATE:"  # the full rendering's first words
 LINE_WIDTH = 160  # characters of an entry's line
 _OPTS = orjson.OPT_SERIALIZE_NUMPY

@@ -152,4 +152,4 @@ def test_a_reply_cut_while_thinking_is_recovered(family_server, tiny_input, tmp_
         registry.schemas(),
         world,
     )
-    assert [c.name for c in reply.calls] == ["filter_cells"] and reply.reasoning is None
+    assert [c.name for c in reply.calls] == ["call_cells"] and reply.reasoning is None

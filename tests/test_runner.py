@@ -314,6 +314,35 @@ def test_a_refused_input_ends_at_once_with_its_reason_and_exit_3(tmp_path, capsy
         assert [e.tool for e in world.entries] == ["load_data"]  # no "(no tool call)" nudges
 
 
+def test_a_refusal_recorded_before_version_2_is_redone_not_kept(tmp_path):
+    """Before record version 2 too little memory for the input ended as input_refused too, which
+    a rerun kept for good: such a record (unchained, as that version wrote it) is set aside and
+    the input read again."""
+    import anndata as ad
+    import numpy as np
+
+    from agent.resume import plan
+
+    path = tmp_path / "tiny.h5ad"
+    ad.AnnData(np.ones((5, 30), np.float32)).write_h5ad(path)
+    config = RunConfig(input=path, outdir=tmp_path / "o")
+    assert run_sample(config) == "input_refused"
+    layout = config.layout
+    doc = json.loads(layout.record_copy.read_text())
+    assert doc["meta"].pop("record_version") == 2
+    del doc["meta"]["seal"]
+    for entry in doc["entries"]:
+        del entry["chain"]
+    layout.record_copy.write_text(json.dumps(doc))  # the record file is the same inode
+    old = WorldState.load(layout.record_copy).meta
+    wanted = {k: old.get(k) for k in ("sample", "input_sha256", "policy", "seed", "brief")}
+    assert plan(layout, wanted, 10)[0] == "new"
+    assert len(list(layout.root.glob("previous/*/world_state.json"))) == 1
+    # the same refusal recorded by this version is the result, kept
+    assert run_sample(config) == "input_refused"
+    assert plan(layout, wanted, 10)[0] == "keep"
+
+
 @pytest.mark.parametrize(
     ("path", "name"),
     [

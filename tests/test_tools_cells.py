@@ -18,6 +18,7 @@ from scipy import sparse
 from agent.config import RunConfig
 from agent.policies.reference import _conclusion, _doublet_rate
 from agent.runner import run_sample
+from agent.tools.cells import dm_loglik, mc_pvalues
 from agent.tools.session import Session
 from agent.world_state import WorldState
 from tests.fixtures_data import call_tool as call
@@ -162,3 +163,17 @@ def test_spatial_spots_are_named_and_skip_doublet_detection(tmp_path):
     assert _doublet_rate(lambda tool: facts.get(tool, {})) is None
     conclusion = _conclusion(lambda tool: facts.get(tool, {}))["conclusion"]
     assert "spatial spots: doublet detection skipped" in conclusion
+
+
+def test_ambient_barcodes_get_uniform_p_values():
+    """Barcodes drawn from the Dirichlet-multinomial null (each its own Dirichlet draw around the
+    ambient profile) get p-values uniform on (0, 1]. A null simulated from the fixed profile
+    alone (a multinomial) gave them all p near 1: too high, so real low-count cells were lost."""
+    rng = np.random.default_rng(0)
+    alpha, prop = 5.0, rng.dirichlet(np.ones(200))
+    totals = rng.integers(50, 150, size=400)
+    counts = [rng.multinomial(t, rng.dirichlet(alpha * prop)) for t in totals]
+    observed = dm_loglik(sparse.csr_matrix(np.array(counts, dtype=np.float32)), prop, alpha)
+    p = mc_pvalues(totals, observed, prop, alpha, 999, np.random.default_rng(1))
+    assert 0.02 <= (p <= 0.05).mean() <= 0.09, (p <= 0.05).mean()
+    assert 0.4 <= float(np.median(p)) <= 0.6, np.median(p)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +150,8 @@ def test_runner_records_the_model_and_a_changed_model_is_another_setting(
     from agent.resume import CannotReuse
     from agent.runner import run_sample
 
-    model = held_out_run["model"]
+    model = tmp_path / "model.pkl"  # a copy: its content changes at the end
+    shutil.copy(held_out_run["model"], model)
     held_out = held_out_run["session"].input_path
     config = RunConfig(input=held_out, outdir=tmp_path / "s1", celltypist_model=model)
     assert run_sample(config) == "finished"
@@ -171,6 +173,10 @@ def test_runner_records_the_model_and_a_changed_model_is_another_setting(
     other = train_model(*_other_half(), tmp_path / "other.pkl")
     with pytest.raises(CannotReuse, match="celltypist_model_sha256"):
         run_sample(config.model_copy(update={"celltypist_model": other}))
+    model.write_bytes(other.read_bytes())  # the file the record names holds another model now
+    out = replay(record)
+    assert out["verdict"] == "not replayed", out
+    assert "is not the model the analysis used" in out["summary"], out["summary"]
 
 
 def _other_half() -> tuple[ad.AnnData, pd.Series]:

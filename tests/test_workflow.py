@@ -441,19 +441,26 @@ def test_adding_a_sample_analyses_only_it_and_restarts_no_finished_shard(
     )
 
 
-def test_works_as_a_module_from_another_folder(tmp_path: Path):
-    """Another project's Snakefile imports the workflow as a `module`: its own files (schemas,
-    rules, report captions) are found from the repository, data and results stay in the host."""
+@pytest.mark.parametrize("source", ["path", "git"])
+def test_works_as_a_module_from_another_folder(tmp_path: Path, source: str):
+    """Another project's Snakefile imports the workflow as a `module`, from the checkout's path
+    or from its git repository (`gitfile`, a `git+file://` source, as snakedeploy's remote ones
+    are read), under a prefix: its own files (schemas, rules, report captions) are found from the
+    source, data and results stay in the host."""
     host = tmp_path / "host"
     host.mkdir()
     config = (REPO / "config" / "config.yaml").read_text()
     (host / "config.yaml").write_text(config.replace("config/samples.tsv", "sheet.tsv"))
     (host / "sheet.tsv").write_text("sample\tpath\nmine\tdata/demo/mine\n")
+    snakefile = {
+        "path": f'"{REPO / "workflow" / "Snakefile"}"',
+        "git": f'gitfile(repo_path="{REPO}", path="workflow/Snakefile", ref="HEAD")',
+    }[source]
     (host / "Snakefile").write_text(
         'configfile: "config.yaml"\n\n\n'
-        f'module scagent:\n    snakefile:\n        "{REPO / "workflow" / "Snakefile"}"\n'
+        f"module scagent:\n    snakefile:\n        {snakefile}\n"
         "    config:\n        config\n\n\n"
-        "use rule * from scagent\n"
+        "use rule * from scagent as scagent_*\n"
     )
     out = subprocess.run(
         [sys.executable, "-m", "snakemake", "-n", "-p"],
@@ -465,11 +472,15 @@ def test_works_as_a_module_from_another_folder(tmp_path: Path):
     )
     assert out.returncode == 0, out.stdout
     assert job_counts(out.stdout) == {
-        "demo_data": 1, "analyze": 1, "replay": 1, "report": 1, "all": 1
+        "scagent_demo_data": 1, "scagent_analyze": 1, "scagent_replay": 1, "scagent_report": 1,
+        "scagent_all": 1,
     }  # fmt: skip
-    (report,) = shell_commands(out.stdout, "report")
+    (report,) = shell_commands(out.stdout, "scagent_report")
     assert "--outdir results/report" in report
-    assert f"--workflow-root {os.path.relpath(REPO, host)} " in report  # the repository
+    if source == "path":  # the repository, whose files the crate copies
+        assert f"--workflow-root {os.path.relpath(REPO, host)} " in report
+    else:  # no folder to copy from a remote source, and no error for it
+        assert "--workflow-root" not in report
 
 
 def test_declared_outputs_benchmarks_and_report_items(workflow_dir: WorkflowDir):

@@ -126,12 +126,13 @@ def mc_pvalues(
     iterations: int,
     rng: np.random.Generator,
 ) -> np.ndarray:
-    """Monte-Carlo p-values of observed log-probabilities: each iteration draws one ambient
-    barcode UMI by UMI up to the largest total and scores every prefix by the same likelihood
-    (emptyDrops' scheme: one draw serves every total). p = (1 + #sim <= obs) / (iterations + 1)."""
+    """Monte-Carlo p-values of observed log-probabilities under the Dirichlet-multinomial null:
+    each iteration draws its own ambient profile (Gamma(alpha * p) per gene, as DropletUtils'
+    montecarlo_pval does), then one barcode from it UMI by UMI up to the largest total, and scores
+    every prefix by the same likelihood (one draw serves every total).
+    p = (1 + #sim <= obs) / (iterations + 1)."""
     unique, inverse = np.unique(totals, return_inverse=True)
     longest = int(unique[-1])
-    draw = _sampler(prop)
     ap = alpha * prop
     n = np.arange(1, longest + 1, dtype=float)
     per_draw = np.log(n) - np.log(n - 1 + alpha)
@@ -140,7 +141,8 @@ def mc_pvalues(
     below = np.zeros(len(totals), dtype=np.int64)
     for start in range(0, iterations, BLOCK):
         block = min(BLOCK, iterations - start)
-        genes = draw(rng.random((block, longest))).astype(key)
+        genes = _draw_genes(rng.standard_gamma(ap, size=(block, len(ap))), longest, rng)
+        genes = genes.astype(key)
         k = _occurrence(genes)
         steps = per_draw + np.log(k - 1 + ap[genes]) - np.log(k)
         simulated = np.cumsum(steps, axis=1)[:, unique - 1]
@@ -148,22 +150,16 @@ def mc_pvalues(
     return (below + 1) / (iterations + 1)
 
 
-def _sampler(prop: np.ndarray, bins: int = 1 << 20) -> Any:
-    """Inverse-CDF sampling of genes with a guide table (Chen & Asau 1974): a uniform's bin names
-    its gene unless a CDF step falls inside the bin (about genes / bins of draws), which are
-    searched."""
-    cumulative = np.cumsum(prop) / prop.sum()
-    last = len(prop) - 1
-    edges = np.minimum(np.searchsorted(cumulative, np.arange(bins + 1) / bins, "right"), last)
-
-    def draw(uniform: np.ndarray) -> np.ndarray:
-        where = (uniform * bins).astype(np.int64)
-        genes = edges[where]
-        split = genes != edges[where + 1]
-        genes[split] = np.minimum(np.searchsorted(cumulative, uniform[split], "right"), last)
-        return genes
-
-    return draw
+def _draw_genes(weights: np.ndarray, length: int, rng: np.random.Generator) -> np.ndarray:
+    """``length`` genes drawn in order from each row's weights (rows: iterations), by inverse CDF:
+    the rows' CDFs laid end to end (row r shifted by r) serve one binary search for all draws."""
+    rows, genes = weights.shape
+    shift = np.arange(rows)[:, None]
+    cumulative = np.cumsum(weights, axis=1)
+    cumulative = cumulative / cumulative[:, -1:] + shift
+    uniform = rng.random((rows, length)) + shift
+    found = np.searchsorted(cumulative.ravel(), uniform.ravel(), "right").reshape(rows, length)
+    return np.minimum(found - shift * genes, genes - 1)
 
 
 def _occurrence(genes: np.ndarray) -> np.ndarray:
@@ -183,11 +179,16 @@ def _occurrence(genes: np.ndarray) -> np.ndarray:
     return k.reshape(rows, length)
 
 
-def _curve(totals: np.ndarray) -> dict[str, list[float]]:
-    """The ranked curve at log-spaced ranks, small enough for uns and the barcode-rank plot."""
-    ranked = np.sort(totals)[::-1]
-    ranks = np.unique(np.geomspace(1, len(ranked), CURVE_POINTS).astype(int))
-    return {"rank": ranks.tolist(), "total": ranked[ranks - 1].astype(float).tolist()}
+def _curve(totals: np.ndarray, cells: np.ndarray) -> dict[str, list[Any]]:
+    """The ranked curve at log-spaced ranks, small enough for uns and the barcode-rank plot, with
+    whether the barcode at each rank was kept (EmptyDrops' calls are not monotone in the total)."""
+    order = np.argsort(-totals, kind="stable")
+    ranks = np.unique(np.geomspace(1, len(totals), CURVE_POINTS).astype(int))
+    return {
+        "rank": ranks.tolist(),
+        "total": totals[order][ranks - 1].astype(float).tolist(),
+        "cell": cells[order][ranks - 1].tolist(),
+    }
 
 
 def _evidence(totals: np.ndarray, lower: int) -> dict[str, Any]:
@@ -320,8 +321,8 @@ def call_cells(
         limited=limited,
         n_cells=int(cells.sum()),
         median_genes_per_cell=float(np.median(per_row(matrix[cells], "nnz"))),
-        curve=_curve(totals),
-        called_totals={"min": int(totals[cells].min()), "max": int(totals.max())},
+        curve=_curve(totals, cells),
+        called_totals={"min": int(totals[cells].min()), "max": int(totals[cells].max())},
     )
     record["reason"] = (
         f"unfiltered: {len(totals):,} barcodes, {evidence['share_low_count']:.1%} with <= {lower} "

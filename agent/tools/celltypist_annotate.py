@@ -164,9 +164,14 @@ def annotate_celltypist(
             f"{', '.join(query.var_names[:3])}; is it a model of this species and gene naming?"
         )
     celltypist = import_celltypist()
-    predictions = celltypist.annotate(query, model=model, majority_voting=False)
-    # CellTypist's own vote, over our clusters (its annotate skips voting under 50 cells)
-    predictions = celltypist.classifier.Classifier.majority_vote(predictions, clusters.to_numpy())
+    try:
+        predictions = celltypist.annotate(query, model=model, majority_voting=False)
+        # CellTypist's own vote, over our clusters (its annotate skips voting under 50 cells)
+        predictions = celltypist.classifier.Classifier.majority_vote(
+            predictions, clusters.to_numpy()
+        )
+    except ValueError as e:  # its checks of the input (e.g. not log1p of counts per 10,000)
+        raise ToolError(f"annotate_celltypist: CellTypist refused the data: {e}") from None
     predicted = predictions.predicted_labels["predicted_labels"].astype(str)
     majority = predictions.predicted_labels["majority_voting"].astype(str)
     confidence = predictions.probability_matrix.max(axis=1)

@@ -54,7 +54,9 @@ CRITERION = (
     f"from its nearest cluster (Welch's t-test, Benjamini-Hochberg q < {FDR} over all genes, and "
     f"|Cohen's d| >= {EFFECT_SIZE}) and a stability >= {MIN_STABILITY} (mean Jaccard index with "
     f"its best match in Leiden on {SUBSAMPLES} subsamples of {SUBSAMPLE_SHARE:.0%} of the cells, "
-    "measured only where every cluster is separated)"
+    "measured only where every cluster is separated); the q-values screen genes, they are no "
+    "test of the clusters: clusters found from the same cells always differ somewhat (Gao, Bien "
+    "and Witten 2022), which the effect size and the stability guard against"
 )
 
 
@@ -245,6 +247,10 @@ def leiden(
     """
     _leiden(session, resolution, key_added)
     adata = session.adata
+    ranked = adata.uns.get("rank_genes_groups")
+    if ranked is not None and ranked["params"]["groupby"] == key_added:
+        # ranked for the clusters this call replaced: new clusters may reuse their names
+        del adata.uns["rank_genes_groups"]
     labels = adata.obs[key_added]
     return {
         "resolution": resolution,

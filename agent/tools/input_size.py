@@ -133,6 +133,8 @@ def cgroup_room(lines: list[str], root: Path = CGROUP_ROOT) -> list[tuple[int, s
     count. On v1 /proc/meminfo is the host's, so this is the only figure that binds."""
     found = []
     for line in lines:
+        if line.count(":") < 2:  # not a cgroup line: nothing to learn from it
+            continue
         _, controllers, own = line.split(":", 2)
         if controllers == "":  # v2: one hierarchy
             start, files = root / own.lstrip("/"), _V2
@@ -172,11 +174,10 @@ def _room(folder: Path, limit_file: str, usage_file: str, reclaimable: str) -> i
 def _slurm_room() -> list[tuple[int, str]]:
     """Slurm's memory for the job (MB) less this process's resident memory: the limit Slurm
     enforces where no cgroup shows it (e.g. a proctrack without memory cgroups)."""
-    env = os.environ
-    if mb := env.get("SLURM_MEM_PER_NODE"):
-        limit, name = int(mb), f"SLURM_MEM_PER_NODE={mb}"
-    elif (per := env.get("SLURM_MEM_PER_CPU")) and (cpus := env.get("SLURM_CPUS_ON_NODE")):
-        limit, name = int(per) * int(cpus), f"SLURM_MEM_PER_CPU={per} x {cpus} CPUs"
+    if mb := _positive("SLURM_MEM_PER_NODE"):
+        limit, name = mb, f"SLURM_MEM_PER_NODE={mb}"
+    elif (per := _positive("SLURM_MEM_PER_CPU")) and (cpus := _positive("SLURM_CPUS_ON_NODE")):
+        limit, name = per * cpus, f"SLURM_MEM_PER_CPU={per} x {cpus} CPUs"
     else:
         return []
     used = _kib_field("/proc/self/status", "VmRSS") or 0
@@ -194,3 +195,13 @@ def _kib_field(file: str, key: str) -> int | None:
 
 def _size(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.0f} MiB"
+
+
+def _positive(name: str) -> int | None:
+    """A Slurm figure as a positive integer; None where unset, malformed or 0 (``--mem=0``: all
+    of the node's memory, which the cgroup then shows)."""
+    try:
+        value = int(os.environ.get(name, ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None

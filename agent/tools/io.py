@@ -22,6 +22,7 @@ from agent.tools.common import per_row, sizes
 from agent.tools.input_size import check_fits
 from agent.tools.qc import gene_masks
 from agent.tools.session import Session
+from agent.tools.species import detect_species, symbol_rules
 
 # Usual names of a column of gene symbols, matched in any case (AnnData from Seurat, Bioconductor,
 # CELLxGENE, Cell Ranger).
@@ -393,7 +394,8 @@ def load_data(
     adata.X = sparse.csr_matrix(adata.X, dtype=np.float32)
     session.replace_data(adata)
 
-    masks = gene_masks(adata.var_names)
+    rules = symbol_rules(detect_species(adata.var_names)["species"])  # mouse globins: Hba-a1
+    masks = gene_masks(adata.var_names, rules.mt_prefix, rules.ribo_pattern, rules.hb_pattern)
     counts = per_row(adata.X, "sum")
     genes = per_row(adata.X, "nnz")
     if not masks["mt"].any():

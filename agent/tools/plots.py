@@ -11,6 +11,7 @@ matplotlib.use("Agg")  # batch jobs have no display; set before pyplot loads a b
 import matplotlib.pyplot as plt
 import scanpy as sc
 
+from agent.durable import link_atomically
 from agent.registry import ToolError, tool
 from agent.tools.common import Key, all_genes
 from agent.tools.session import Session
@@ -118,9 +119,9 @@ def barcode_rank(adata: Any) -> Any:
     lowest = record["called_totals"]["min"]
     fig, ax = plt.subplots(figsize=(6, 4.5))
     ax.loglog(ranks, np.maximum(totals, 0.5), color="grey", linewidth=1, label="barcodes")
-    kept = totals >= lowest
-    ax.loglog(ranks[kept], totals[kept], color="crimson", linewidth=2,
-              label=f"{record['n_cells']:,} cells kept (lowest {lowest} UMIs)")  # fmt: skip
+    kept = np.asarray(record["curve"]["cell"], dtype=bool)  # per plotted rank: not monotone
+    ax.scatter(ranks[kept], totals[kept], color="crimson", s=6, zorder=3,
+               label=f"{record['n_cells']:,} cells kept (lowest {lowest} UMIs)")  # fmt: skip
     evidence = record["evidence"]
     for name, value, style in (
         ("knee (retain)", evidence["knee"], "--"),
@@ -288,6 +289,9 @@ def plot(
         fig.savefig(target, dpi=100, bbox_inches="tight")
     finally:
         plt.close("all")
+    # its copy beside the checkpoints now: Snakemake deletes plots/ of a job killed before the
+    # run's end could make one, and a resume redraws only the plots after its checkpoint
+    link_atomically(target, session.layout.plots_copy / target.relative_to(folder))
     result = {
         "kind": kind,
         "path": str(target.relative_to(session.outdir)),

@@ -67,13 +67,14 @@ rule analyze:
     container: "envs/agent.sif"
     shell:
         """
-        set -o pipefail  # the agent's exit status, not tee's
-        echo "$(date -u +%FT%TZ) host $(hostname), slurm job ${{SLURM_JOB_ID:-none}}" \
-            | tee -a {params.attempts:q} > {log:q}
-        {{ {params.wait_for_server}; }} 2>&1 | tee -a {params.attempts:q} >> {log:q}
+        echo "$(date -u +%FT%TZ) host $(hostname), slurm job ${{SLURM_JOB_ID:-none}}" > {log:q}
+        # Snakemake empties the log before a retry: each attempt's is appended to the attempts
+        # log as the job ends, however it ends (no pipe into tee: a tee killed first at a time
+        # limit would turn the agent's last words into a broken pipe)
+        trap "cat {log:q} >> {params.attempts:q}" EXIT
+        {{ {params.wait_for_server}; }} >> {log:q} 2>&1
         # BLAS threads within the job's allocation
         export OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} MKL_NUM_THREADS={threads}
-        python -m agent run --outdir {params.outdir:q} {params.args} 2>&1 \
-            | tee -a {params.attempts:q} >> {log:q} || [ $? -eq 3 ]
+        python -m agent run --outdir {params.outdir:q} {params.args} >> {log:q} 2>&1 || [ $? -eq 3 ]
         mkdir -p {output.plots:q}  # an analysis that drew nothing still has the declared folder
         """

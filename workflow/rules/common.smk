@@ -19,7 +19,9 @@ from agent.samplesheet import SampleSheetError, load_sheet
 
 # Paths of this workflow's own files come from this file's folder (workflow.current_basedir), not
 # workflow.basedir: imported as a `module`, the latter is the importing Snakefile's folder.
-WORKFLOW_ROOT = Path(workflow.current_basedir.get_path_or_uri(secret_free=True)).parents[1]  # the repository
+_BASEDIR = workflow.current_basedir.get_path_or_uri(secret_free=True)
+# the repository, where it is a folder here; None for a remote source (git+file://, https://)
+WORKFLOW_ROOT = None if "://" in _BASEDIR else Path(_BASEDIR).parents[1]
 SAMPLE_SCHEMA = Path(workflow.source_path("../schemas/samples.schema.yaml"))
 # A sample's folder; its files' names come from agent/layout.py.
 SAMPLE = SampleLayout("results/samples/{sample}")
@@ -197,16 +199,22 @@ def input_data(wildcards):
     return str(DEMO_DIR / demo / "truth.tsv") if demo else path
 
 
+def no_other_writer():
+    """Stops the workflow before any job (so before Snakemake deletes any job's outputs) when a
+    sample folder is being written by another run, e.g. a second workflow on the same results
+    folder: a folder another workflow's agent writes is not this workflow's to clean. Called at
+    start (`onstart`, never on a dry run or `--report`): one look per sample, not per DAG build."""
+    for sample in SAMPLES:
+        folder = str(SAMPLE.root).format(sample=sample)
+        if holder := holder_of(SampleLayout(folder).lock):
+            raise WorkflowError(
+                f"{folder} is being written by another run ({holder}), e.g. a second workflow "
+                "on the same results folder: one results folder per workflow; wait for that run "
+                "to end (or stop it), then run this again"
+            )
+
+
 def analyze_input(wildcards):
-    # Before Snakemake deletes a job's outputs: a folder another workflow's agent writes is not
-    # this workflow's to clean (one results folder per workflow)
-    folder = str(SAMPLE.root).format(sample=wildcards.sample)
-    if holder := holder_of(SampleLayout(folder).lock):
-        raise WorkflowError(
-            f"{folder} is being written by another run ({holder}), e.g. a second workflow on "
-            "the same results folder: one results folder per workflow; wait for that run to "
-            "end (or stop it), then run this again"
-        )
     inputs = {"data": input_data(wildcards)}
     if SAMPLES[wildcards.sample]["celltypist_model"]:  # a changed model reruns the sample
         inputs["celltypist_model"] = SAMPLES[wildcards.sample]["celltypist_model"]

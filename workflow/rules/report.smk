@@ -45,8 +45,13 @@ rule report:
         "logs/report/report.log",
     params:
         # the Snakefile's folder, for the crate; relative, so that moving the checkout together
-        # with its results does not change the param (a changed param reruns the report)
-        workflow_root=os.path.relpath(WORKFLOW_ROOT),
+        # with its results does not change the param (a changed param reruns the report); a
+        # remote source has no folder to copy: the crate then names no workflow files
+        workflow_root=(
+            f"--workflow-root {shlex.quote(os.path.relpath(WORKFLOW_ROOT))}"
+            if WORKFLOW_ROOT
+            else ""
+        ),
     resources:
         **rule_resources("report"),
     threads: 1
@@ -55,4 +60,4 @@ rule report:
     container: "envs/agent.sif"
     shell:
         "python -m agent report --world-states {input.world_states:q} --replays {input.replays:q}"
-        " --outdir {output.report:q} --workflow-root {params.workflow_root:q} > {log:q} 2>&1"
+        " --outdir {output.report:q} {params.workflow_root} > {log:q} 2>&1"
