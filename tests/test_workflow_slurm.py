@@ -95,7 +95,8 @@ def test_demo_cohort_runs_through_slurm(slurm_cluster, cohort: tuple[WorkflowDir
     check_cohort_outputs(wd.path)
     for sample in DEMO_SAMPLES:
         first = (wd.path / "logs" / "analyze" / f"{sample}.log").read_text().splitlines()[0]
-        assert re.fullmatch(r"host \S+, slurm job \d+", first), first
+        # the attempt's start (UTC), then where it ran
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\S+Z host \S+, slurm job \d+", first), first
         assert first.split()[-1] in slurm_ids
 
 
@@ -128,7 +129,8 @@ def test_server_group_shares_one_allocation(
     serve_log = (wd.path / "logs" / "serve_vllm" / "shard000.log").read_text()
     assert f"in slurm job {slurm_job}" in serve_log, serve_log  # server and agent: one allocation
     analyze_log = (wd.path / "logs" / "analyze" / f"{sample}.log").read_text()
-    assert analyze_log.startswith(f"host {socket.gethostname()}, slurm job {slurm_job}\n")
+    first = analyze_log.split("\n", 1)[0]
+    assert first.endswith(f"Z host {socket.gethostname()}, slurm job {slurm_job}"), first
     served = re.search(r"stopped by SIGTERM after (\d+) requests", serve_log)
     assert served, f"Snakemake did not stop the server:\n{serve_log}"
 
