@@ -32,9 +32,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from agent.config import RunConfig
 from agent.durable import atomic_write_json
@@ -76,6 +77,7 @@ def _machine(e: BaseException) -> bool:
 
 
 EXIT_MACHINE = 4
+T = TypeVar("T")
 
 
 @dataclass
@@ -268,6 +270,17 @@ def verdict(steps: list[StepComparison]) -> tuple[str, int | None, str]:
     return "reproduced", None, f"all {len(steps)} steps reproduced exactly"
 
 
+def _read(what: str, read: Callable[[Path], T], path: Path) -> T:
+    """``read(path)``; a file that cannot be read is a NotReplayed, or a MachineFault where the
+    machine is to blame (a rerun replays)."""
+    try:
+        return read(path)
+    except OSError as e:
+        if _machine(e):
+            raise MachineFault(f"{what} cannot be read", e) from None
+        raise NotReplayed(f"{what} cannot be read: {e}") from None
+
+
 def check_model(recorded: WorldState, source: Path) -> None:
     """The run's CellTypist model, where it had one, still there with the content it had; else
     a NotReplayed (or MachineFault) saying so, before anything runs."""
@@ -278,12 +291,7 @@ def check_model(recorded: WorldState, source: Path) -> None:
     where = f"recorded in {source}, meta.celltypist_model"
     if not path.is_file():
         raise NotReplayed(f"the CellTypist model {path} ({where}) is gone")
-    try:
-        sha256 = file_sha256(path)
-    except OSError as e:
-        if _machine(e):
-            raise MachineFault(f"the CellTypist model {path} ({where}) cannot be read", e) from None
-        raise NotReplayed(f"the CellTypist model {path} ({where}) cannot be read: {e}") from None
+    sha256 = _read(f"the CellTypist model {path} ({where})", file_sha256, path)
     if sha256 != meta.get("celltypist_model_sha256"):
         raise NotReplayed(
             f"the CellTypist model {path} ({where}) is not the model the analysis used: sha256 "
@@ -304,12 +312,7 @@ def check_input(recorded: WorldState, source: Path, given: str | Path | None = N
             f"input {path} ({where}) does not exist; replay needs the very data the analysis "
             "read (give its new place with --input)"
         )
-    try:
-        sums = input_checksums(path)
-    except OSError as e:
-        if _machine(e):
-            raise MachineFault(f"input {path} ({where}) cannot be read", e) from None
-        raise NotReplayed(f"input {path} ({where}) cannot be read: {e}") from None
+    sums = _read(f"input {path} ({where})", input_checksums, path)
     if checksum(path, sums) == meta["input_sha256"]:
         return path
     files = meta.get("input_files")
