@@ -8,7 +8,8 @@ envs/constraints.txt holds the exact version of every distribution the tests ran
 installs with it (pip's ``-c``), so a fresh machine gets those versions, not whatever was released
 since. Each runtime dependency of pyproject.toml is pinned in the other files to the major.minor
 release of the lock (``scanpy =1.11`` for conda, ``scanpy==1.11.*`` for pip), which must lie within
-pyproject's own bounds. To move to newer releases: install them, run the tests, then ``--lock``.
+pyproject's own bounds; the Apptainer images pin the lock's exact releases. To move to newer
+releases: install them, run the tests, then ``--lock``.
 tests/test_envs.py checks the files against pyproject, the code's imports, the lock and this venv.
 """
 
@@ -159,7 +160,10 @@ def vllm_yaml(pins: list[tuple[str, str]], vllm: str) -> str:
 
 
 def pip_lines(pins: list[tuple[str, str]]) -> str:
-    return " \\\n".join(f'        "{n}=={v}.*"' for n, v in pins)
+    """An image's pip arguments: the lock's exact release of each (an image is built once and
+    kept, so it holds what the tests ran with; conda files follow the release line)."""
+    lock = locked()
+    return " \\\n".join(f'        "{n}=={lock[n]}"' for n, _ in pins)
 
 
 def agent_def(pins: list[tuple[str, str]]) -> str:
