@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from typing import Any, Literal
 
@@ -207,8 +206,7 @@ def keep_metrics(layout: SampleLayout, fresh: bool) -> None:
         _merge_metrics(layout)
     kept.parent.mkdir(parents=True, exist_ok=True)
     kept.touch()
-    path.unlink(missing_ok=True)
-    os.link(kept, path)
+    link_atomically(kept, path)
 
 
 def remove_temporary(layout: SampleLayout) -> None:

@@ -14,7 +14,7 @@ import scanpy as sc
 from pydantic import Field
 
 from agent.registry import ToolError, tool
-from agent.tools.common import Key, Limit, all_genes, obs_column, sizes
+from agent.tools.common import Key, Limit, all_genes, left_out, obs_column, sizes
 from agent.tools.session import Session
 from agent.tools.species import HUMAN, MOUSE, detect_species, symbol_rules
 
@@ -384,7 +384,7 @@ def annotate_clusters(
         "rule": rule,
         "ranked_from": ranked_from,
         "clusters": listed,
-        "left_out": f"{len(result) - limit} clusters not listed" if len(result) > limit else None,
+        "left_out": left_out(len(result), limit, "clusters"),
         "ambiguous": ambiguous,
         "ambiguity_rule": AMBIGUITY_RULE,
         "unknown": unknown,

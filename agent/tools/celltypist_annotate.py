@@ -24,7 +24,7 @@ from scipy import sparse
 from agent.provenance import file_sha256
 from agent.registry import ToolError, tool
 from agent.tools.annotate import UNKNOWN, _natural
-from agent.tools.common import Key, Limit, counts_matrix, obs_column, sizes
+from agent.tools.common import Key, Limit, counts_matrix, left_out, obs_column, sizes
 from agent.tools.session import Session
 
 UNS_KEY = "annotation_celltypist"
@@ -211,7 +211,7 @@ def annotate_celltypist(
         "groupby": groupby,
         "key_added": key_added,
         "clusters": listed,
-        "left_out": f"{len(result) - limit} clusters not listed" if len(result) > limit else None,
+        "left_out": left_out(len(result), limit, "clusters"),
         "weak_clusters": weak,
         "rule": rule,
         "mean_confidence": round(float(confidence.mean()), 3),

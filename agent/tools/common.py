@@ -58,6 +58,11 @@ def obs_column(adata: Any, key: str, tool: str, hint: str) -> Any:
     return adata.obs[key]
 
 
+def left_out(n: int, limit: int, what: str) -> str | None:
+    """What a result's list leaves out past its limit, in words (None: nothing)."""
+    return f"{n - limit} {what} not listed" if n > limit else None
+
+
 def sizes(labels: Any) -> dict[str, int]:
     """Cells per label, labels in their natural (categorical) order."""
     counts = labels.value_counts(sort=False)

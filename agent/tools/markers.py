@@ -8,7 +8,7 @@ import scanpy as sc
 from pydantic import Field
 
 from agent.registry import ToolError, tool
-from agent.tools.common import Key, Limit, obs_column, scanpy_params
+from agent.tools.common import Key, Limit, left_out, obs_column, scanpy_params
 from agent.tools.session import Session
 
 
@@ -67,6 +67,6 @@ def rank_genes_groups(
         "use_raw": use_raw,
         "n_groups": len(names),
         "top_markers": top,
-        "left_out": f"{len(names) - limit} groups not listed" if len(names) > limit else None,
+        "left_out": left_out(len(names), limit, "groups"),
         "scanpy_params": scanpy_params(adata, "rank_genes_groups"),
     }
