@@ -13,6 +13,7 @@ import importlib
 import sys
 from importlib import metadata
 
+from agent import say
 from agent.netenv import bypass_proxy_for_local
 
 SUBCOMMANDS = {
@@ -22,6 +23,11 @@ SUBCOMMANDS = {
     "plan": ("agent.serve.kvplan", "plan KV-cache capacity for a model on a GPU"),
     "replay": ("agent.replay", "re-run a recorded world state and compare the results"),
     "report": ("agent.report", "aggregate world states into the cohort report"),
+    "compare": ("agent.cohort.compare", "what reprocessing changed: two analyses of each sample"),
+    "integrate": (
+        "agent.cohort.integrate",
+        "integrate the finished samples into one cohort object",
+    ),
 }
 
 
@@ -55,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in SUBCOMMANDS:
         parser.parse_args(argv)  # usage, --help, --version, or the unknown subcommand's error
         return 2
+    say.command = f"agent {argv[0]}"
     bypass_proxy_for_local()  # before any client exists: a node's http_proxy never sees loopback
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
     cmd = argparse.ArgumentParser(

@@ -89,6 +89,13 @@ class RunConfig(BaseModel):
         "has a switch (Qwen3, Qwen3.5/3.6: enable_thinking false): shorter, faster replies "
         "(llm policy)",
     )
+    thinking_budget: int | None = Field(
+        None,
+        ge=0,
+        description="thinking tokens per reply at most, closed by the server (vLLM "
+        "thinking_token_budget; needs its reasoning parser); default: the model family's; 0: "
+        "unbounded (llm policy)",
+    )
     tokenizer: str | None = Field(
         None, description="model folder with tokenizer.json, for exact local token counts"
     )

@@ -10,6 +10,13 @@ model reads the whole world state (the rendering plus the lines since), and no p
 truncated. Nothing changing sits in the system message: Qwen-style templates render the system
 text before the tools, so a change there would make the whole tool-schema block be prefilled again.
 
+Earlier thoughts (``history_reasoning``, the model family's catalogue field) go back as each
+assistant turn's ``reasoning`` the way the family's template renders them: ``none`` drops them,
+``current_turn`` keeps those after the last user message (a new user message, such as a nudge,
+makes the template drop the ones before it, so they are dropped here too: the prompt changes
+from the first of them, like at a cut), ``preserve`` keeps all (the policy sends the template's
+switch). Kept thoughts count towards the budget like any other text.
+
 Truncation is planned for growth: a cut goes down far enough to leave room for ``plan_steps``
 steps of the run's own mean growth per step, so a cut (which re-prefills everything after the
 instructions and tools) comes once per many steps, also on small contexts.
@@ -78,7 +85,7 @@ class TokenCounter:
         hit = self._by_message.get(id(m))
         if hit is not None and hit[0] is m:
             return hit[1]
-        text = m.get("content") or ""
+        text = (m.get("content") or "") + (m.get("reasoning") or "")
         if m.get("tool_calls"):
             text += orjson.dumps(m["tool_calls"]).decode()
         n = self._by_message[id(m)] = (m, self.raw(text) + MESSAGE_OVERHEAD)
@@ -107,6 +114,7 @@ class ContextManager:
     safety_margin: int = 256
     plan_steps: int = 40  # a cut leaves room for this many steps of the run's mean growth
     min_headroom: float = 0.3  # and for at least this share of the history budget
+    history_reasoning: str = "none"  # none | current_turn | preserve (the family's catalogue field)
     counter: TokenCounter = field(default_factory=TokenCounter)
     history: list[Message] = field(default_factory=list)
     truncations: int = 0
@@ -118,6 +126,7 @@ class ContextManager:
     _grown: tuple[int, int] = (0, 0)  # raw tokens the history grew by, over how many steps
     _head: Message | None = None  # the first user message: world-state rendering and brief
     _lead: int = 0  # leading user messages of `history` (the brief) that `_head` holds
+    _rewritten: int = 0  # raw tokens of history the last add_user changed (dropped thoughts)
 
     def budget(self, world_text: str) -> int:
         """available_history = limit - tool schemas - instructions - world-state rendering - reserves."""
@@ -173,6 +182,9 @@ class ContextManager:
         self._sent_raw, self._raw_after = self._fixed_raw() + after, self._history_raw
         if cut:  # everything after the instructions and tools is new to the server's cache
             reprefilled = c.scaled(after)
+        elif self._rewritten:  # thoughts dropped: the history from the first of them is new
+            reprefilled = c.scaled(self._rewritten)
+        self._rewritten = 0
         self.last = {
             "budget": budget,
             "history_tokens": c.scaled(self._history_raw),
@@ -209,10 +221,29 @@ class ContextManager:
     def add_user(self, text: str, line: str | None = None) -> None:
         """A user message; ``line``: the world-state line of the entry it stands beside (a reply
         without a call), first."""
+        if self.history_reasoning == "current_turn":
+            self._drop_thoughts()
         self._append({"role": "user", "content": f"{line}\n{text}" if line else text})
+
+    def _drop_thoughts(self) -> None:
+        """A new user turn: the template no longer renders the thoughts of the turns before it,
+        so they leave the history too (as new message objects: messages are never changed in
+        place), and the prompt changes from the first of them on."""
+        first = next((i for i, m in enumerate(self.history) if m.get("reasoning")), None)
+        if first is None:
+            return
+        c = self.counter
+        self.history[first:] = [
+            {k: v for k, v in m.items() if k != "reasoning"} if m.get("reasoning") else m
+            for m in self.history[first:]
+        ]
+        self._history_raw = sum(map(c.raw_message, self.history))
+        self._rewritten = sum(map(c.raw_message, self.history[first:]))
 
     def add_decision(self, decision: Decision) -> None:
         message: Message = {"role": "assistant", "content": decision.text or ""}
+        if self.history_reasoning != "none" and decision.reasoning:
+            message["reasoning"] = decision.reasoning  # vLLM hands it to the template
         if decision.calls:
             message["tool_calls"] = [
                 {

@@ -15,7 +15,7 @@ import orjson
 from agent import signals
 from agent.context import ContextManager
 from agent.layout import SampleLayout
-from agent.policies.base import Decision, Policy, PolicyUnavailable, PromptTooLong
+from agent.policies.base import Decision, Policy, PolicyUnavailable, PromptTooLong, Timing
 from agent.registry import Outcome, ToolRegistry
 from agent.world_state import Entry, WorldState
 
@@ -61,6 +61,9 @@ def run_loop(
         think = time.perf_counter() - t0
         if decision.outages:
             world.meta.setdefault("outages", []).extend(decision.outages)
+        if decision.thinking_budget_hit is not None:  # a budget was sent: count (0 included)
+            hits = world.meta.get("thinking_budget_hits", 0) + decision.thinking_budget_hit
+            world.meta["thinking_budget_hits"] = hits  # steps whose thought the server closed
         if not decision.calls and decision.finish_reason == "stop" and input_refusal(world):
             return "input_refused"
         context.observe(decision.usage)
@@ -150,6 +153,9 @@ def _report(
         "completion_tokens": u.completion_tokens if u else None,
         "cached_tokens": u.cached_tokens if u else None,
         "reasoning_tokens": u.reasoning_tokens if u else None,
+        # the server's split of decide_seconds (vLLM per-request metrics; null where not sent)
+        **vars(decision.timing or Timing()),
+        "thinking_budget_hit": decision.thinking_budget_hit,
         "calibration": round(context.counter.factor, 4),
         "time": time.time(),
         **context.last,

@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import math
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from agent import say
 from agent.config import RunConfig
 from agent.durable import atomic_write_json
 from agent.integrity import CHAINED, NO_CHAIN, check_record, unchained
@@ -537,12 +537,10 @@ def main(args: argparse.Namespace) -> int:
     replay.json says which, and a rerun replays); 2 usage errors (tolerances, no --world-state
     file, a non-empty --workdir), nothing written; 128+N stopped by signal N, nothing written."""
     if args.rtol < 0 or args.atol < 0:
-        print(
-            f"error: tolerances must be >= 0 (rtol={args.rtol}, atol={args.atol})", file=sys.stderr
-        )
+        say.error(f"tolerances must be >= 0 (rtol={args.rtol}, atol={args.atol})")
         return 2
     if not Path(args.world_state).is_file():
-        print(f"error: --world-state {args.world_state} is not a file", file=sys.stderr)
+        say.error(f"--world-state {args.world_state} is not a file")
         return 2
     try:
         with interruptible():  # SIGTERM: the scratch folder is removed on the way out
@@ -550,10 +548,10 @@ def main(args: argparse.Namespace) -> int:
                 args.world_state, args.workdir, Tolerance(args.rtol, args.atol), args.input
             )
     except ReplayError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say.error(str(e))
         return 2
     except Interrupted as e:
-        print(f"replay of {args.world_state}: {e}; nothing written", file=sys.stderr)
+        say.error(f"{args.world_state}: {e}; nothing written")
         return e.exit_code
     out = Path(args.out) if args.out else SampleLayout(Path(args.world_state).parent).replay
     try:
@@ -561,7 +559,7 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         if not _machine(e):
             raise
-        print(f"{doc['sample']}: {doc['summary']}; cannot write {out}: {e}", file=sys.stderr)
+        say.error(f"{doc['sample']}: {doc['summary']}; cannot write {out}: {e}")
         return EXIT_MACHINE
     print(f"{doc['sample']}: {doc['verdict']} ({doc['summary']}); wrote {out}")
     if doc["machine_fault"]:

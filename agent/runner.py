@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from agent import say
 from agent.config import LOAD_OPTIONS, RunConfig
 from agent.context import ContextManager, TokenCounter, tokenizer_estimate
 from agent.durable import Unsupported, check_hard_links
@@ -170,6 +171,7 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
             registry.schemas(),
             meta["context_limit"],
             completion_reserve=setup.max_tokens,
+            history_reasoning=setup.history_reasoning,
             counter=TokenCounter(tokenizer_estimate(setup.tokenizer)),
         )
         if config.policy == "llm":  # the only policy that is told anything
@@ -311,7 +313,7 @@ def main(args: argparse.Namespace) -> int:
             + err["msg"].removeprefix("Value error, ")
             for err in e.errors()
         )
-        print(f"agent run: {problems}", file=sys.stderr)
+        say.error(f"{problems}")
         return 2
     name, record = config.sample_name, config.layout.record
 
@@ -327,10 +329,10 @@ def main(args: argparse.Namespace) -> int:
         with interruptible():
             status = run_sample(config)
     except (BadInput, CannotReuse, Unsupported) as e:  # refused: nothing of this run recorded
-        print(f"{name}: {e}", file=sys.stderr)
+        say.error(f"{name}: {e}")
         return 2
     except FolderBusy as e:  # another run writes the record: not this run's to summarise
-        print(f"{name}: {e}", file=sys.stderr)
+        say.error(f"{name}: {e}")
         return 1
     except (PolicyUnavailable, InfrastructureError, OSError) as e:
         closing("failed (exit 1)", f"; {e}; a rerun resumes")

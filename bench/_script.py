@@ -114,7 +114,14 @@ class ScriptedPolicy:
         asked = self.inner.decide(messages, tools, world)
         entry = self.entries[world.next_step - 1]
         call = ToolCall(f"call-{world.next_step}", entry.tool, call_arguments(entry))
-        return Decision([call], None, asked.usage, "tool_calls")
+        return Decision(
+            [call],
+            None,
+            asked.usage,
+            "tool_calls",
+            timing=asked.timing,
+            thinking_budget_hit=asked.thinking_budget_hit,
+        )
 
 
 class ScriptedRegistry(ToolRegistry):

@@ -9,7 +9,11 @@ its prefix cache emptied before each arm. Layouts:
   before: the layout before issue 16: the world state rendered anew and re-sent whole as the last
           message on every step, and a cut of the history down to a fixed 70% of its budget;
   new:    the project's ContextManager as it is: one rendering after the instructions (rewritten
-          only at a cut), each entry's line with its tool result, cuts planned for growth.
+          only at a cut), each entry's line with its tool result, cuts planned for growth;
+  thoughts: new, for a family that sends the current turn's thoughts back (history_reasoning:
+          current_turn, Qwen3/3.5/3.6, Gemma 4): every reply carries a thought of THOUGHT_CHARS
+          characters (the tiny model, served without a reasoning parser, writes none) that the
+          template renders into the later prompts.
 
 Each layout runs at each ``--contexts`` size (the client's context limit; one server). Then, with
 the new layout at the first size: a ``--long``-step session, ``--agents`` agents at once sharing
@@ -44,7 +48,7 @@ import _script
 import _server
 
 from agent.context import ContextManager, Message
-from agent.policies.base import Policy
+from agent.policies.base import Decision, Policy
 from agent.policies.llm import LLMPolicy
 from agent.registry import Outcome
 
@@ -81,10 +85,27 @@ class NaiveContext(ResentContext):
         return [{"role": "system", "content": content}, *history]
 
 
+THOUGHT_CHARS = 1200  # about 300 tokens of English: a short agentic thought per step
+
+
+class ThoughtsContext(ContextManager):
+    """The new layout keeping the current turn's thoughts, each reply given one of THOUGHT_CHARS."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, history_reasoning="current_turn", **kwargs)
+
+    def add_decision(self, decision: Decision) -> None:
+        n = len(self.history)
+        words = f"Step {n}: the last result decides the next call, so check its figures first. "
+        decision.reasoning = (words * (THOUGHT_CHARS // len(words) + 1))[:THOUGHT_CHARS]
+        super().add_decision(decision)
+
+
 LAYOUTS: dict[str, type[ContextManager]] = {
     "naive": NaiveContext,
     "before": ResentContext,
     "new": ContextManager,
+    "thoughts": ThoughtsContext,
 }
 
 
@@ -134,7 +155,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=80, help="agent steps per session")
     p.add_argument("--contexts", default="32768,16384", help="context limits of the layout arms")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help="layout arms to run")
+    p.add_argument("--layouts", default="naive,before,new", help="layout arms to run")
     p.add_argument("--long", type=int, default=200, help="steps of the long arm (0: none)")
     p.add_argument("--agents", type=int, default=3, help="agents of the shared arm (0: none)")
     p.add_argument("--free-max-tokens", type=int, default=64, help="0: no free-length arm")

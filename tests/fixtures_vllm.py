@@ -33,6 +33,7 @@ from agent.testing.tiny_model import FAMILIES, build_tiny_model
 
 SERVED_NAME = "tiny-qwen3"
 MAX_MODEL_LEN = 16384  # room for the real tool schemas (~6K tokens) and a history to cut
+METRICS_INTERVAL_S = 2
 START_TIMEOUT_S = 900  # cold start on a loaded 2-core machine; it is ~40-90 s when idle
 
 
@@ -154,7 +155,10 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     start = time.monotonic()
     try:
         launcher, endpoint_file = start_server(
-            tiny_model_dir, tmp_path_factory.mktemp("vllm_server")
+            tiny_model_dir,
+            tmp_path_factory.mktemp("vllm_server"),
+            # its figures every 2 s beside the endpoint file: a short test run gets rows
+            *("--metrics-interval", str(METRICS_INTERVAL_S)),
         )
     except pytest.fail.Exception as failed:
         _START_FAILURE.append(str(failed))
@@ -196,18 +200,57 @@ FAMILY_MODEL_LEN = 32768
 
 
 def family_serve_args(family: str) -> list[str]:
-    """The family from the model catalogue (parsers, template, sampling), whatever the tiny
-    model's architecture; a grammar that also covers the thinking block."""
+    """The flags ``agent serve`` generates for the family's tiny model (the catalogue's parsers,
+    template, prefix caching), adapted where the forced replies need: a grammar that also covers
+    the thinking block (they spell the thought), and no tool-call grammar of the server's own."""
     return [
         f"--override=family={family}",
-        # no tool-call grammar of the server's own: with one, a forced reply's grammar would be
-        # its alternative, and the random model could take the free branch
+        # with the production strict level (parameter) the server's structural tag is the forced
+        # regex's alternative and the random model takes the free branch: run with it, Qwen3's
+        # forced analysis ends "cut inside a tool call (at max_tokens 256)"
         "--override=tool_strict_level=auto",
         '--extra-arg=--structured-outputs-config={"enable_in_reasoning": true}',
     ]
 
 
+def served_architecture(log_path: Path) -> str:
+    """The model class vLLM resolved, as its log names it."""
+    found = re.search(r"Resolved architecture: (\w+)", log_path.read_text(errors="replace"))
+    return found.group(1) if found else "unknown (not in the log)"
+
+
+def missing_module(log_path: Path) -> str | None:
+    """The vLLM error when the model's class could not be imported for want of a package
+    (e.g. Qwen3.5's, whose module imports torchvision through transformers' Qwen2-VL image
+    processor), else None."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    arch = re.search(r"Error in inspecting model architecture '(\w+)'", text)
+    module = re.search(r"ModuleNotFoundError: (No module named '[\w.]+')", text)
+    return f"vLLM cannot import {arch.group(1)}: {module.group(1)}" if arch and module else None
+
+
+def reported_concurrency(log_path: Path) -> tuple[int, float]:
+    """What vLLM reported at start-up: (max_model_len, how many requests of it the KV cache
+    holds at once), from its line "KV cache size: N tokens, Maximum concurrency for L tokens per
+    request: Cx"."""
+    found = re.search(
+        r"KV cache size: [\d,]+ tokens, Maximum concurrency for ([\d,]+) tokens per request:"
+        r" ([\d.]+)x",
+        log_path.read_text(errors="replace"),
+    )
+    assert found, f"{log_path}: no KV cache size line"
+    return int(found.group(1).replace(",", "")), float(found.group(2))
+
+
+def report_line(request: pytest.FixtureRequest, text: str) -> None:
+    """A line in the test session's output (not captured)."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(text)
+
+
 _FAMILY_FAILURES: dict[str, str] = {}
+_FAMILY_SKIPS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="session", params=sorted(FAMILIES))
@@ -221,19 +264,28 @@ def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     family = request.param
     if family in _FAMILY_FAILURES:
         pytest.fail(_FAMILY_FAILURES[family], pytrace=False)
+    if family in _FAMILY_SKIPS:
+        pytest.skip(_FAMILY_SKIPS[family])
     model_dir = build_tiny_model(tmp_path_factory.mktemp("family") / family, family)
+    workdir = tmp_path_factory.mktemp(f"server-{family}")
     start = time.monotonic()
     try:
         launcher, endpoint_file = start_server(
             model_dir,
-            tmp_path_factory.mktemp(f"server-{family}"),
+            workdir,
             *family_serve_args(family),
             name=f"tiny-{family}",
             max_model_len=FAMILY_MODEL_LEN,
             agents=1,
         )
     except pytest.fail.Exception as failed:
+        missing = missing_module(workdir / "server.log")
+        if missing:  # this installation, not the test: say so, with vLLM's error
+            _FAMILY_SKIPS[family] = missing
+            pytest.skip(missing)
         _FAMILY_FAILURES[family] = str(failed)
         raise
-    yield family, model_dir, (server := serving(launcher, endpoint_file, start))
+    server = serving(launcher, endpoint_file, start)
+    report_line(request, f"[{family}] vLLM serves {served_architecture(server.log_path)}")
+    yield family, model_dir, server
     stop(server)

@@ -11,4 +11,5 @@ bash tests/browser/install.sh          # Debian's chromium for the report test
 bash tests/realdata/install.sh         # real count matrices that Debian packages ship
 
 ruff check .
+snakefmt --check Snakefile workflow  # the Snakefiles' style, configured in pyproject.toml
 exec python -m pytest "$@"

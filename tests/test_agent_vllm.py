@@ -2,6 +2,7 @@
 
 import io
 import json
+import time
 from collections import Counter
 from typing import Annotated
 
@@ -15,8 +16,11 @@ from agent.loop import run_loop
 from agent.policies.base import Decision, PromptTooLong, ToolCall
 from agent.policies.llm import LLMPolicy
 from agent.registry import ToolRegistry, tool
+from agent.report import build_report
 from agent.runner import run_sample
+from agent.serve.metrics import metrics_path, read_rows
 from agent.world_state import WorldState
+from tests.fixtures_vllm import METRICS_INTERVAL_S
 
 pytestmark = pytest.mark.vllm
 
@@ -47,6 +51,16 @@ def test_llm_run_with_the_real_tools(vllm_server, demo_run, tmp_path):
     for r in rows[1:]:  # calibrated from the first reply: the estimate never falls short by much
         assert r["estimated_prompt_tokens"] >= 0.97 * r["prompt_tokens"]
         assert r["estimated_prompt_tokens"] <= 1.3 * r["prompt_tokens"]
+    # the server's own figures, sampled by its launcher, in the report's performance section
+    shard, ended = metrics_path(vllm_server.endpoint_file), time.time()
+    deadline = time.monotonic() + 10 * METRICS_INTERVAL_S
+    while read_rows(shard)[-1]["time"] < ended and time.monotonic() < deadline:
+        time.sleep(0.5)  # until a row after the run's last request
+    assert read_rows(shard)[-1]["prefix_cache_hits"] > 0
+    build_report([outdir / "world_state.json"], [], tmp_path / "report", server_metrics=[shard])
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert 'id="performance-shards"' in page and "Model servers over the run" in page
+    assert "<td>pbmc2</td>" in page.split('id="performance-samples"')[1]
 
 
 @tool("qc", mutates=False)

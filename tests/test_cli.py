@@ -3,11 +3,14 @@ expected failure, fast answers to a missing path, the failed step's reason and t
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +131,28 @@ def test_a_failed_step_shows_its_reason(tmp_path):
     [step] = [line for line in out.stderr.splitlines() if line.startswith("[no_matrix] step 1 ")]
     assert step.startswith("[no_matrix] step 1 load_data! "), step
     assert f": {folder} is a folder without matrix.mtx" in step, step
+
+
+def test_plan_takes_a_model_as_serve_does(tmp_path, monkeypatch, capsys):
+    """`agent plan --model`: a folder, or a Hub id found offline in the Hugging Face cache, planned
+    exactly as its config.json; a Hub id not in the cache is one line saying how to fetch it."""
+    config = Path(__file__).parent / "data" / "model_configs" / "qwen3-8b.json"
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Qwen--Qwen3-8B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    shutil.copy(config, snapshot / "config.json")
+    (cache / "models--Qwen--Qwen3-8B" / "refs").mkdir()
+    (cache / "models--Qwen--Qwen3-8B" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    outputs = []
+    for model in (["--model-config", str(config)], ["--model", "Qwen/Qwen3-8B"],
+                  ["--model", str(snapshot)]):  # fmt: skip
+        assert cli(["plan", *model, "--gpu", "H100", "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        outputs.append({k: v for k, v in plan.items() if k != "model"})  # the config's path
+    assert outputs[0] == outputs[1] == outputs[2] and outputs[0]["max_model_len"] > 0
+    assert cli(["plan", "--model", "Qwen/Qwen3-32B", "--gpu", "H100"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "not in the Hugging Face cache" in line and "hf download Qwen/Qwen3-32B" in line
+    assert cli(["plan", "--gpu", "H100"]) == 2
+    assert "give one of --model" in capsys.readouterr().err

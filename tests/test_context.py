@@ -171,3 +171,28 @@ def test_observe_reports_estimate_error_and_calibrates():
     cm.observe(Usage(prompt_tokens=est * 2, completion_tokens=5))
     assert cm.last["estimate_error"] == -est
     assert cm.counter.factor >= 1.9
+
+
+@pytest.mark.parametrize("mode", ["none", "current_turn", "preserve"])
+def test_thoughts_go_back_as_the_family_keeps_them_and_count_in_the_budget(mode):
+    """current_turn: the thoughts since the last user message ride on their assistant turns and
+    count as history; a user message drops the earlier ones (the template would) and the prompt
+    says from where it changed. preserve keeps them all, none sends none."""
+    cm = ContextManager("instructions", [], context_limit=100_000, history_reasoning=mode)
+    cm.add_user("analyse S1")
+    cm.prompt(lambda: "WORLD STATE")
+    empty = cm.last["history_tokens"]
+    cm.add_decision(Decision([ToolCall("c1", "t", "{}")], reasoning="why " * 300))
+    cm.add_result("c1", Outcome("t", {}, "ok", {}, None, 0.1))
+    before = cm.prompt(lambda: "WORLD STATE")
+    kept = [m.get("reasoning") for m in before if m["role"] == "assistant"]
+    assert kept == ([None] if mode == "none" else ["why " * 300])
+    grown = cm.last["history_tokens"] - empty
+    assert (grown > 300) == (mode != "none")  # the thought counts where it is sent
+    cm.add_user("call a tool")  # a nudge: a new user turn
+    after = cm.prompt(lambda: "WORLD STATE")
+    assert any(m.get("reasoning") for m in after) == (mode == "preserve")
+    assert after[: len(before)] == before or mode == "current_turn"
+    # from the stripped turn on, the server prefills anew (the turn, now without its thought)
+    assert (cm.last["reprefilled_tokens"] > 0) == (mode == "current_turn")
+    assert cm.last["truncations"] == 0

@@ -8,6 +8,7 @@ import ast
 import importlib.metadata
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -217,13 +218,49 @@ def test_every_conda_rule_has_the_matching_container():
     for smk in sorted((ROOT / "workflow" / "rules").glob("*.smk")):
         text = smk.read_text()
         pairs += re.findall(
-            r'conda:\s*\n\s*"\.\./\.\./envs/(\w+)\.yaml"\s*\n\s*container:\s*"([^"]+)"', text
+            r'conda:\s*\n\s*"\.\./\.\./envs/(\w+)\.yaml"\s*\n\s*container:\s*(\w+)', text
         )
         assert text.count("conda:") == len(re.findall(r"^\s*container:", text, re.M)), smk.name
     assert {env for env, _ in pairs} == {"agent", "vllm"}
-    for env, image in pairs:
-        assert image == f"envs/{env}.sif"
+    common = (ROOT / "workflow" / "rules" / "common.smk").read_text()
+    for env, image in pairs:  # common.smk's image(NAME): envs/NAME.sif or config containers.NAME
+        assert f'{image} = image("{env}")' in common
         assert (ROOT / "envs" / f"{env}.def").is_file()
+
+
+def test_the_images_install_the_package_from_the_files_they_copy(tmp_path):
+    """Each image copies the same files from the checkout (%files) and pip-installs them without
+    dependencies: built here from exactly those files, the package has all its code and data."""
+    import zipfile
+
+    copies = []
+    for definition in ("agent.def", "vllm.def"):
+        text = (ROOT / "envs" / definition).read_text()
+        files = re.search(r"^%files\n(.*?)\n\n", text, re.M | re.S).group(1).split("\n")
+        copies.append([line.split() for line in files])
+        assert f"--no-deps {envs.PACKAGE_DIR}\n" in text.split("%post", 1)[1], definition
+    copied = copies[0]
+    assert copies[1] == copied
+    assert all(dest == f"{envs.PACKAGE_DIR}/{src}" for src, dest in copied), copied
+    source = tmp_path / "source"
+    source.mkdir()
+    for src, _ in copied:
+        copy = shutil.copytree if (ROOT / src).is_dir() else shutil.copy
+        copy(ROOT / src, source / src, **({"ignore": IGNORED} if copy is shutil.copytree else {}))
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "wheel"), str(source)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (wheel,) = (tmp_path / "wheel").glob("scagent-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {str(p.relative_to(ROOT)) for p in (ROOT / "agent").rglob("*") if p.is_file()}
+    shipped = {n for n in shipped if "__pycache__" not in n}
+    assert not shipped - names, sorted(shipped - names)  # every file of the package, data too
+
+
+IGNORED = shutil.ignore_patterns("__pycache__")
 
 
 def test_the_tests_run_with_the_locked_versions():

@@ -17,12 +17,17 @@ from agent.layout import SampleLayout
 from agent.loop import run_loop
 from agent.policies import make_policy
 from agent.prompts import BRIEF, SYSTEM_PROMPT
+from agent.serve import gpu as gpus
+from agent.serve.flags import select_flags
+from agent.serve.kvplan import VLLM_TOLERANCE
+from agent.serve.model_config import load_model_config
 from agent.testing.forced import THOUGHTS, ForcedPolicy
 from agent.testing.tiny_model import marker_ids
 from agent.tools import build_registry
 from agent.tools.session import Session
 from agent.world_state import WorldState
 from tests.fixtures_data import run_reference
+from tests.fixtures_vllm import FAMILY_MODEL_LEN, reported_concurrency
 
 pytestmark = pytest.mark.vllm
 
@@ -153,3 +158,38 @@ def test_a_reply_cut_while_thinking_is_recovered(family_server, tiny_input, tmp_
         world,
     )
     assert [c.name for c in reply.calls] == ["call_cells"] and reply.reasoning is None
+
+
+def test_the_kv_plan_holds_what_vllm_reserves(family_server):
+    """The planner's requests of max_model_len that fit agree with the maximum concurrency vLLM
+    reports at start-up for the family's real architecture (sliding windows with the whole
+    prompt in flight on the CPU, linear-attention states, K=V global layers), within
+    VLLM_TOLERANCE (vLLM's block rounding and state padding)."""
+    family, model_dir, server = family_server
+    max_len, concurrency = reported_concurrency(server.log_path)
+    overrides = {"family": family, "agents": 1, "max_model_len": FAMILY_MODEL_LEN}
+    plan = select_flags(gpus.cpu(1), load_model_config(model_dir), overrides).plan  # 1 GiB
+    assert max_len == plan.max_model_len
+    assert plan.concurrency(max_len) == pytest.approx(concurrency, rel=VLLM_TOLERANCE)
+
+
+@pytest.mark.parametrize("family_server", ["gemma4"], indirect=True)
+def test_gemma4_with_thinking_off_over_several_tool_steps(
+    family_server, tiny_input, reference_calls, tmp_path
+):
+    """Gemma 4 as the catalogue serves it (thinking off unless asked): its template with no
+    thinking, several tool steps in a row parsed by the gemma4 parser, no thought anywhere."""
+    family, model_dir, server = family_server
+    parser, _ = parsers(server)
+    registry = build_registry()
+    setup = make_policy(llm_config(server, tiny_input, tmp_path, max_tokens=256), registry)
+    policy = ForcedPolicy(setup.policy, registry, family, parser, marker_ids(model_dir), False)
+    status, world, context, metrics = analyse(
+        policy, setup, registry, tiny_input, tmp_path, max_steps=4
+    )
+    assert status == "step_limit"
+    assert [(e.tool, e.params, e.status) for e in world.entries] == [
+        (tool, params, "ok") for tool, params in reference_calls[:4]
+    ]
+    assert policy.reasoning == [None] * 4 and not any(r["reasoning_tokens"] for r in metrics)
+    assert not any(m in json.dumps(context.history) for m in MARKERS)

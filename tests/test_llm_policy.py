@@ -18,13 +18,17 @@ from agent.world_state import WorldState
 from tests.test_loop import Counter, add, finish
 
 
-def run(server, tmp_path, limit=None, outage_wait=5.0, policy=None, **kw):
+def run(server, tmp_path, limit=None, outage_wait=5.0, policy=None, history="none", **kw):
     policy = policy or LLMPolicy(
         server.base_url, "scripted", timeout=5, max_retries=3, outage_wait=outage_wait
     )
     reg = ToolRegistry([add, finish])
     ctx = ContextManager(
-        "instructions", reg.schemas(), limit or policy.context_limit(), completion_reserve=256
+        "instructions",
+        reg.schemas(),
+        limit or policy.context_limit(),
+        completion_reserve=256,
+        history_reasoning=history,
     )
     ctx.add_user("analyse S1")
     world = WorldState(meta={"sample": "S1"})
@@ -290,7 +294,7 @@ def test_family_settings_come_from_the_endpoint_file(scripted_server, tmp_path):
     }  # fmt: skip
     assert setup.meta["sampling"] == {
         "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "seed": 0,
-        "max_tokens": 4096, "thinking": True,
+        "max_tokens": 4096, "thinking": True, "thinking_budget": None, "history_reasoning": "none",
     }  # fmt: skip
     scripted_server.script = [{"tool": "finish", "arguments": "{}"}]
     setup.policy.decide([{"role": "user", "content": "go"}], [], WorldState())
@@ -305,3 +309,108 @@ def test_family_settings_come_from_the_endpoint_file(scripted_server, tmp_path):
     assert off.meta["sampling"]["thinking"] is False
     off.policy.decide([{"role": "user", "content": "go"}], [], WorldState())
     assert scripted_server.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_the_thinking_budget_goes_with_each_request_unless_thinking_is_off(
+    scripted_server, tmp_path
+):
+    """make_policy sends the family's thinking_token_budget where the server runs a reasoning
+    parser (vLLM refuses the field without one), the run's own budget wins (0: none), and the
+    record says which; with thinking switched off no budget is sent."""
+    from agent.config import RunConfig
+    from agent.policies import make_policy
+
+    key_file = tmp_path / "key"
+    write_private(key_file, "EMPTY")
+
+    def setup(flags, **run):
+        write_endpoint(
+            tmp_path / "server.json", url=scripted_server.base_url, model="scripted",
+            api_key_file=key_file, max_model_len=8192, flags=flags,
+            family={"name": "qwen3", "thinking": True, "no_thinking": THINKING_OFF,
+                    "thinking_budget": 512},
+        )  # fmt: skip
+        config = RunConfig(
+            input=tmp_path, outdir=tmp_path / "out", policy="llm",
+            endpoint_file=tmp_path / "server.json", **run,
+        )  # fmt: skip
+        made = make_policy(config, ToolRegistry([finish]))
+        made.policy.decide([{"role": "user", "content": "go"}], [], WorldState())
+        return made.meta["sampling"]["thinking_budget"], scripted_server.requests[-1]
+
+    parser = [{"name": "--reasoning-parser", "value": "qwen3", "chosen": True}]
+    budget, sent = setup(parser)
+    assert budget == sent["thinking_token_budget"] == 512
+    budget, sent = setup(parser, thinking_budget=64)
+    assert budget == sent["thinking_token_budget"] == 64
+    budget, sent = setup(parser, thinking_budget=0)
+    assert budget is None and "thinking_token_budget" not in sent
+    budget, sent = setup([{"name": "--reasoning-parser", "value": None, "chosen": False}])
+    assert budget is None and "thinking_token_budget" not in sent
+    budget, sent = setup(parser, no_thinking=True)
+    assert budget is None and "thinking_token_budget" not in sent and sent["chat_template_kwargs"]
+
+
+def thoughts(request):
+    return [m.get("reasoning") for m in request["messages"] if m["role"] == "assistant"]
+
+
+@pytest.mark.parametrize("history", ["current_turn", "preserve"])
+def test_earlier_thoughts_go_back_as_the_template_renders_them(scripted_server, tmp_path, history):
+    """Each request carries the thoughts of the current turn's earlier steps, appended only (the
+    server's cache serves the request before); after a nudge (a new user turn) current_turn drops
+    the earlier ones, preserve keeps them and asks the template to (preserve_thinking)."""
+    scripted_server.script = [
+        {"reasoning": "first", "tool": "add", "arguments": '{"n": 1}'},
+        {"reasoning": "second", "text": "no call"},  # the loop nudges: a user message
+        {"reasoning": "third", "tool": "finish", "arguments": "{}"},
+    ]
+    policy = LLMPolicy(
+        scripted_server.base_url, "scripted", preserve_thinking=history == "preserve"
+    )
+    status, _world, _ctx = run(scripted_server, tmp_path, policy=policy, history=history)
+    assert status == "finished"
+    first, second, third = scripted_server.requests
+    assert thoughts(second) == ["first"]
+    assert second["messages"][: len(first["messages"])] == first["messages"]  # appended only
+    assert thoughts(third) == (["first", "second"] if history == "preserve" else [None, None])
+    switch = {"preserve_thinking": True} if history == "preserve" else None
+    assert all(r.get("chat_template_kwargs") == switch for r in scripted_server.requests)
+
+
+def test_a_reply_cut_inside_a_tool_call_says_so(scripted_server, tmp_path):
+    scripted_server.script = [
+        {"reasoning": "plan", "text": '<tool_call>\n{"name": "add", "argu', "finish": "length"},
+        {"tool": "finish", "arguments": "{}"},
+    ]
+    policy = LLMPolicy(scripted_server.base_url, "scripted", max_tokens=1024)
+    _status, world, _ctx = run(scripted_server, tmp_path, policy=policy)
+    error = world.entries[0].error
+    assert "cut inside a tool call" in error and "thinking" not in error.split(";")[0]
+    assert scripted_server.requests[1]["max_tokens"] == 2048  # room to finish the call
+
+
+@pytest.mark.vllm
+def test_the_server_renders_the_current_turns_thought_into_the_prompt(vllm_server):
+    """The real server (tiny Qwen3 with Qwen3's template, a family that keeps the current turn's
+    thoughts) renders an earlier step's reasoning into the prompt, and drops it once a user
+    message follows, as the template says."""
+    import httpx
+
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    turn = [
+        {"role": "user", "content": "analyse S1"},
+        {"role": "assistant", "content": "", "tool_calls": [call], "reasoning": "MARKERTHOUGHT"},
+        {"role": "tool", "tool_call_id": "c1", "content": "{}"},
+    ]
+
+    def rendered(messages):
+        with httpx.Client(headers={"Authorization": f"Bearer {vllm_server.api_key}"}) as http:
+            root = vllm_server.base_url.removesuffix("/v1")
+            body = {"model": vllm_server.model, "messages": messages}
+            tokens = http.post(f"{root}/tokenize", json=body).raise_for_status().json()["tokens"]
+            body = {"model": vllm_server.model, "tokens": tokens}
+            return http.post(f"{root}/detokenize", json=body).raise_for_status().json()["prompt"]
+
+    assert "MARKERTHOUGHT" in rendered(turn)
+    assert "MARKERTHOUGHT" not in rendered([*turn, {"role": "user", "content": "go on"}])

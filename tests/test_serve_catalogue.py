@@ -17,6 +17,7 @@ from agent.serve.catalogue import CatalogueError
 from agent.serve.model_config import load_model_config
 
 CONFIGS = Path(__file__).parent / "data" / "model_configs"
+FETCH_MODEL = Path(__file__).parents[1] / "workflow" / "scripts" / "fetch_model.py"
 CONTRACT_KEYS = {
     "name",
     "tool_call_parser",
@@ -105,6 +106,45 @@ def test_gemma3_tool_template_ships_and_renders_tools(tmp_path):
     assert prompt.endswith("<start_of_turn>model\n")
 
 
+@pytest.mark.parametrize(
+    ("family", "call_format"),
+    [
+        ("llama3", '"name": function name, "parameters"'),
+        ("deepseek_v3", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>"),
+    ],
+)
+def test_the_tool_templates_vllm_names_ship_and_render_tools(family, call_format):
+    path = catalogue.load().get(family).chat_template_path()
+    assert path.is_file() and path.parent == catalogue.TEMPLATES
+    tools = [{"type": "function", "function": {"name": "load_data", "parameters": {}}}]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    prompt = env.from_string(path.read_text()).render(
+        messages=[{"role": "system", "content": "Analyse."}, {"role": "user", "content": "Go"}],
+        tools=tools,
+        bos_token="<bos>",
+        add_generation_prompt=True,
+    )
+    assert '"load_data"' in prompt and call_format in prompt
+
+
+def test_thinking_families_get_their_current_turns_thoughts_back():
+    """A family whose template renders earlier thoughts (a reasoning parser) gets those of the
+    current turn back; the others none; the FP8 checkpoint and drafter maps load as written."""
+    cat = catalogue.load()
+    for family in cat.families.values():
+        expected = "current_turn" if family.reasoning_parser else "none"
+        assert family.history_reasoning == expected, family.name
+    assert cat.get("qwen3.5").fp8_checkpoints["Qwen/Qwen3.6-27B"] == "Qwen/Qwen3.6-27B-FP8"
+    assert cat.get("gemma4").drafters["google/gemma-4-31B-it"].endswith("-assistant")
+    # fetch_model fetches them beside the model
+    spec = importlib.util.spec_from_file_location("fetch_model", FETCH_MODEL)
+    fetch_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch_model)
+    assert fetch_model.companions("Qwen/Qwen3.6-27B") == ["Qwen/Qwen3.6-27B-FP8"]
+    assert fetch_model.companions("google/gemma-4-E2B-it") == ["google/gemma-4-E2B-it-assistant"]
+    assert fetch_model.companions("Qwen/Qwen3-8B") == []
+
+
 def test_site_file_overrides_fields_and_adds_families(tmp_path, monkeypatch):
     site = tmp_path / "site.yaml"
     site.write_text(
@@ -141,6 +181,9 @@ def test_bad_site_files_name_the_file_family_and_field(tmp_path):
         catalogue.load(bad)
     bad.write_text(yaml.safe_dump({"newfam": {"tool_call_parser": "hermes"}}))
     with pytest.raises(CatalogueError, match=r"family 'newfam': match: Field required"):
+        catalogue.load(bad)
+    bad.write_text(yaml.safe_dump({"qwen3": {"history_reasoning": "sometimes"}}))
+    with pytest.raises(CatalogueError, match=r"history_reasoning: Input should be 'none'"):
         catalogue.load(bad)
     bad.write_text(yaml.safe_dump({"gemma3": {"chat_template": "nowhere.jinja"}}))
     with pytest.raises(CatalogueError, match=r"chat_template .*nowhere.jinja: no such file"):

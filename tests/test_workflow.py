@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_workflow import REPO, StandinHub, WorkflowDir, check_cohort_outputs
+from tests.fixtures_workflow import (
+    REPO,
+    StandinHub,
+    WorkflowDir,
+    check_cohort_outputs,
+    make_workflow_dir,
+    workflow_env,
+)
 
 
 def job_counts(output: str) -> dict[str, int]:
@@ -105,7 +112,14 @@ def test_demo_dry_run_plans_the_whole_cohort(workflow_dir: WorkflowDir):
     out = workflow_dir.snakemake("-n", "-p")
     assert out.returncode == 0, out.stdout
     counts = job_counts(out.stdout)
-    assert counts == {"demo_data": 3, "analyze": 3, "replay": 3, "report": 1, "all": 1}
+    assert counts == {
+        "demo_data": 3,
+        "analyze": 3,
+        "replay": 3,
+        "compare": 1,
+        "report": 1,
+        "all": 1,
+    }
     commands = shell_commands(out.stdout, "analyze")
     assert len(commands) == 3
     for cmd in commands:
@@ -441,46 +455,74 @@ def test_adding_a_sample_analyses_only_it_and_restarts_no_finished_shard(
     )
 
 
-@pytest.mark.parametrize("source", ["path", "git"])
+@pytest.mark.parametrize("source", [pytest.param("path", marks=pytest.mark.slow), "git"])
 def test_works_as_a_module_from_another_folder(tmp_path: Path, source: str):
     """Another project's Snakefile imports the workflow as a `module`, from the checkout's path
     or from its git repository (`gitfile`, a `git+file://` source, as snakedeploy's remote ones
-    are read), under a prefix: its own files (schemas, rules, report captions) are found from the
-    source, data and results stay in the host."""
+    are read), under a prefix, with the small `.test` config: its own files (schemas, rules,
+    report captions, the `agent` package) are found from the source, data and results stay in
+    the host. From the path, the demo sample runs to the cohort report and `snakemake --report`;
+    from git, a dry run."""
+    import shutil
+    import zipfile
+
     host = tmp_path / "host"
-    host.mkdir()
-    config = (REPO / "config" / "config.yaml").read_text()
-    (host / "config.yaml").write_text(config.replace("config/samples.tsv", "sheet.tsv"))
-    (host / "sheet.tsv").write_text("sample\tpath\nmine\tdata/demo/mine\n")
+    shutil.copytree(REPO / ".test" / "config", host / "config")
     snakefile = {
         "path": f'"{REPO / "workflow" / "Snakefile"}"',
         "git": f'gitfile(repo_path="{REPO}", path="workflow/Snakefile", ref="HEAD")',
     }[source]
     (host / "Snakefile").write_text(
-        'configfile: "config.yaml"\n\n\n'
+        'configfile: "config/config.yaml"\n\n\n'
         f"module scagent:\n    snakefile:\n        {snakefile}\n"
         "    config:\n        config\n\n\n"
         "use rule * from scagent as scagent_*\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-n", "-p"],
-        cwd=host,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
-    )
+
+    def snakemake(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "snakemake", *args],
+            cwd=host, env=workflow_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=600,
+        )  # fmt: skip
+
+    out = snakemake("-n", "-p")
     assert out.returncode == 0, out.stdout
-    assert job_counts(out.stdout) == {
-        "scagent_demo_data": 1, "scagent_analyze": 1, "scagent_replay": 1, "scagent_report": 1,
-        "scagent_all": 1,
+    counts = job_counts(out.stdout)  # every rule under the prefix (other rules may join)
+    assert all(rule.startswith("scagent_") for rule in counts), counts
+    assert {rule: counts.get(f"scagent_{rule}") for rule in ("demo_data", "analyze", "report")} == {
+        "demo_data": 1, "analyze": 1, "report": 1
     }  # fmt: skip
     (report,) = shell_commands(out.stdout, "scagent_report")
     assert "--outdir results/report" in report
-    if source == "path":  # the repository, whose files the crate copies
-        assert f"--workflow-root {os.path.relpath(REPO, host)} " in report
-    else:  # no folder to copy from a remote source, and no error for it
+    if source == "git":  # no folder to copy from a remote source, and no error for it
         assert "--workflow-root" not in report
+        return
+    # the repository, whose files the crate copies
+    assert f"--workflow-root {os.path.relpath(REPO, host)} " in report
+    out = snakemake("--cores", "2")
+    logs = "\n".join(f"== {p}\n{p.read_text()[-2000:]}" for p in host.glob("logs/*/*.log"))
+    assert out.returncode == 0, out.stdout[-5000:] + logs
+    check_cohort_outputs(host, ("pbmc1",))
+    assert not (REPO / ".test" / "results").exists()  # nothing written beside the source
+    assert (host / "results/samples/pbmc1/plots").is_dir()
+    assert (host / "benchmarks/analyze/pbmc1.tsv").is_file()
+
+    # `snakemake --report`: the zip holds the cohort report folder (its links included), the
+    # sample's world state and plots
+    out = snakemake("--report", "report.zip")
+    assert out.returncode == 0, out.stdout[-5000:]
+    names = zipfile.ZipFile(host / "report.zip").namelist()
+    # the cohort report's folder, whole: index.html beside what it links
+    (index,) = [n for n in names if n.endswith("/index.html") and "/ro-crate/" not in n]
+    folder = index.removesuffix("index.html")
+    for linked in ("cohort.tsv", "ro-crate/ro-crate-metadata.json"):
+        assert folder + linked in names, (linked, names)
+    assert any(n.endswith("/world_state.json") and not n.startswith(folder) for n in names)
+    plots = sorted(p.name for p in (host / "results/samples/pbmc1/plots").glob("*.png"))
+    assert plots and all(any(n.endswith(f"/{p}") for n in names) for p in plots), names
+    again = snakemake("--cores", "2", "-n")  # nothing reruns after the report
+    assert "Nothing to be done" in again.stdout, again.stdout
 
 
 def test_declared_outputs_benchmarks_and_report_items(workflow_dir: WorkflowDir):
@@ -515,31 +557,54 @@ def test_config_readme_documents_every_key_and_column():
     assert not missing, missing
 
 
-@pytest.mark.slow
-def test_snakemake_report_holds_cohort_report_plots_and_world_states(workflow_dir: WorkflowDir):
-    """One demo sample end to end, then `snakemake --report`: the zip holds the cohort report
-    folder (its links included), the sample's world state and plots."""
-    import zipfile
+# A stand-in `singularity` (the command Snakemake calls, also under Apptainer): it writes what a
+# container would get (image, binds, PYTHONPATH) to $STANDIN_LOG, then runs the job's command
+# (the last three arguments: SHELL -c COMMAND) on the host.
+STANDIN_SINGULARITY = """#!/bin/sh
+if [ "$1" = --version ]; then echo 'apptainer version 1.4.0'; exit 0; fi
+eval "image=\\${$(($# - 3))}"
+printf 'image=%s\\nbind=%s\\npythonpath=%s\\n' "$image" "$APPTAINER_BIND" "$PYTHONPATH" >> "$STANDIN_LOG"
+shift $(($# - 3))
+exec "$@"
+"""
 
-    workflow_dir.write_sheet([{"sample": "pbmc1", "path": "data/demo/pbmc1"}])
-    out = workflow_dir.snakemake("--cores", "2", timeout=1200)
-    assert out.returncode == 0, out.stdout[-5000:]
-    wd = workflow_dir.path
-    assert (wd / "results/samples/pbmc1/plots").is_dir()
-    assert (wd / "benchmarks/analyze/pbmc1.tsv").is_file()
-    out = workflow_dir.snakemake("--report", "report.zip", timeout=600)
-    assert out.returncode == 0, out.stdout[-5000:]
-    names = zipfile.ZipFile(wd / "report.zip").namelist()
-    # the cohort report's folder, whole: index.html beside what it links
-    (index,) = [n for n in names if n.endswith("/index.html") and "/ro-crate/" not in n]
-    folder = index.removesuffix("index.html")
-    for linked in ("cohort.tsv", "ro-crate/ro-crate-metadata.json"):
-        assert folder + linked in names, (linked, names)
-    assert any(n.endswith("/world_state.json") and not n.startswith(folder) for n in names)
-    plots = sorted(p.name for p in (wd / "results/samples/pbmc1/plots").glob("*.png"))
-    assert plots and all(any(n.endswith(f"/{p}") for n in names) for p in plots), names
-    again = workflow_dir.snakemake("--cores", "2", "-n")  # nothing reruns after the report
-    assert "Nothing to be done" in again.stdout, again.stdout
+
+def test_apptainer_jobs_get_the_workflows_image_package_and_shared_folders(tmp_path: Path):
+    """A real job under `--sdm apptainer` (through a stand-in runtime): its image is the one
+    beside the workflow's definitions, not in the working directory; the workflow's repository
+    is on its PYTHONPATH; the folders outside the working directory it needs (the repository,
+    server.hf_home, server.cache_dir, the input's folder) are bound; the working directory, which
+    Snakemake mounts itself, is not."""
+    bin_dir, shared, elsewhere = tmp_path / "bin", tmp_path / "shared", tmp_path / "elsewhere"
+    for folder in (bin_dir, shared / "hf", shared / "cache", elsewhere, tmp_path / "wd"):
+        folder.mkdir(parents=True)
+    (bin_dir / "singularity").write_text(STANDIN_SINGULARITY)
+    (bin_dir / "singularity").chmod(0o755)
+    (elsewhere / "a.h5ad").touch()  # unreadable: the agent records an input refusal (exit 3)
+    wd = make_workflow_dir(tmp_path / "wd")
+    wd.write_sheet([{"sample": "a", "path": str(elsewhere / "a.h5ad")}])
+    wd.configure(server={"hf_home": str(shared / "hf"), "cache_dir": str(shared / "cache")})
+    log = tmp_path / "standin.log"
+    env = {"PATH": f"{bin_dir}:{workflow_env()['PATH']}", "STANDIN_LOG": str(log)}
+    env["APPTAINER_BIND"] = "/site/data"  # a site's own binds stay
+    out = wd.snakemake(
+        "--sdm", "apptainer", "--cores", "1", "results/samples/a/world_state.json", env=env
+    )
+    assert out.returncode == 0, out.stdout
+    seen = dict(line.split("=", 1) for line in log.read_text().splitlines())
+    assert seen["image"] == str(REPO / "envs" / "agent.sif")
+    assert seen["bind"].split(",") == [
+        "/site/data", str(REPO), str(shared / "hf"), str(shared / "cache"), str(elsewhere)
+    ]  # fmt: skip
+    assert seen["pythonpath"].split(os.pathsep)[0] == str(REPO)
+    assert (wd.path / "results/samples/a/world_state.json").is_file()
+
+    wd.configure(containers={"agent": "oras://registry.example/scagent-agent:0.1.0"})
+    out = wd.snakemake(
+        "--sdm", "apptainer", "-n", "--forceall", "results/samples/a/world_state.json", env=env
+    )
+    assert out.returncode == 0, out.stdout
+    assert "oras://registry.example/scagent-agent:0.1.0" in out.stdout
 
 
 def test_apptainer_deployment_plans_every_job_in_its_image(workflow_dir: WorkflowDir, tmp_path):

@@ -90,8 +90,9 @@ def cohort(slurm_profile_env, tmp_path_factory) -> tuple[WorkflowDir, str]:
 
 def test_demo_cohort_runs_through_slurm(slurm_cluster, cohort: tuple[WorkflowDir, str]):
     wd, output = cohort
-    # 3 demo_data + 3 analyze + 3 replay + 1 report; `all` is a local rule with nothing to run
-    slurm_ids = set(assert_all_through_slurm(slurm_cluster, output, expected_jobs=10))
+    # 3 demo_data + 3 analyze + 3 replay + 1 compare + 1 report; `all` is a local rule with
+    # nothing to run
+    slurm_ids = set(assert_all_through_slurm(slurm_cluster, output, expected_jobs=11))
     check_cohort_outputs(wd.path)
     for sample in DEMO_SAMPLES:
         first = (wd.path / "logs" / "analyze" / f"{sample}.log").read_text().splitlines()[0]
@@ -120,8 +121,8 @@ def test_server_group_shares_one_allocation(
     wd.configure(server={"mode": "vllm", "samples_per_server": 1, "command": standin})
     output = run_with_profile(wd, slurm_profile_env).stdout
 
-    # the server group (serve_vllm + analyze of pbmc2), its replay and the report
-    rows = assert_all_through_slurm(slurm_cluster, output, expected_jobs=3)
+    # the server group (serve_vllm + analyze of pbmc2), its replay, the comparison and the report
+    rows = assert_all_through_slurm(slurm_cluster, output, expected_jobs=4)
     groups = [(log, i) for i, log in submissions(output).values() if "group_server_" in log]
     assert len(groups) == 1 and "/group_server_shard000_" in groups[0][0], groups
     slurm_job = groups[0][1]

@@ -19,7 +19,6 @@ import argparse
 import gzip
 import io
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -31,6 +30,8 @@ import numpy as np
 import pandas as pd
 from scipy import io as spio
 from scipy import sparse
+
+from agent import say
 
 Format = Literal["mtx", "h5ad", "h5"]
 FORMATS: tuple[Format, ...] = ("mtx", "h5ad", "h5")
@@ -537,14 +538,14 @@ def main(args: argparse.Namespace) -> int:
                 median_umis=args.median_umis, format=args.format,
             )  # fmt: skip
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
+            say.error(f"{e}")
             return 2
         jobs = [(spec, outdir)]
     for spec, folder in jobs:
         try:
             path = write_sample(spec, folder)
         except OSError as e:  # a folder that cannot be made or written: one line, not a traceback
-            print(f"error: cannot write {spec.name} into {folder}: {e}", file=sys.stderr)
+            say.error(f"cannot write {spec.name} into {folder}: {e}")
             return 1
         print(json.dumps({"sample": spec.name, "input": str(path), "truth": str(truth_path(path))}))
     return 0

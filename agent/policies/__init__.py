@@ -19,6 +19,7 @@ class PolicySetup:
     tokenizer: str | None = None  # where the model's tokenizer lies, when on this file system
     meta: dict[str, Any] = field(default_factory=dict)  # model, server, flags, sampling
     max_tokens: int = DEFAULT_MAX_TOKENS  # the completion budget a reply gets (context reserve)
+    history_reasoning: str = "none"  # which earlier thoughts the history sends back (catalogue)
 
 
 def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
@@ -70,6 +71,8 @@ def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
         sampling=family.get("sampling"),
         no_thinking=family.get("no_thinking"),
         thinking_off=config.no_thinking,
+        preserve_thinking=family.get("history_reasoning") == "preserve",
+        thinking_budget=thinking_budget(config, family, meta.get("server_flags")),
         outage_wait=config.outage_wait,
         endpoint_file=config.endpoint_file,
         key_file=key_file,
@@ -79,8 +82,33 @@ def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
         "max_tokens": policy.max_tokens,
         "thinking": bool(family.get("thinking"))
         and not (config.no_thinking and family.get("no_thinking")),
+        # what the requests carry: none while thinking is switched off
+        "thinking_budget": policy.request_settings()
+        .get("extra_body", {})
+        .get("thinking_token_budget"),
+        "history_reasoning": family.get("history_reasoning", "none"),
     }
-    return PolicySetup(policy, policy.context_limit(), tokenizer, meta, policy.max_tokens)
+    return PolicySetup(
+        policy,
+        policy.context_limit(),
+        tokenizer,
+        meta,
+        policy.max_tokens,
+        meta["sampling"]["history_reasoning"],
+    )
+
+
+def thinking_budget(
+    config: RunConfig, family: dict[str, Any], server_flags: list[dict[str, Any]] | None
+) -> int | None:
+    """The run's budget (0: none), else the family's unless the server runs no reasoning
+    parser (vLLM refuses thinking_token_budget without one)."""
+    if config.thinking_budget is not None:
+        return config.thinking_budget or None
+    parser = server_flags is None or any(
+        f.get("name") == "--reasoning-parser" and f.get("chosen") for f in server_flags
+    )
+    return family.get("thinking_budget") if parser else None
 
 
 # what the record keeps of the endpoint file's `info` about the server (contract item 3)

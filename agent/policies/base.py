@@ -26,6 +26,16 @@ class Usage:
     reasoning_tokens: int | None = None  # of completion_tokens, spent thinking (server's count)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Where a request's time went, as the server measured it (vLLM's per-request metrics):
+    waiting for a slot, prefill up to the first token, decoding the rest. None: not reported."""
+
+    queue_seconds: float | None = None
+    ttft_seconds: float | None = None  # scheduled -> first token: prefill, queue excluded
+    decode_seconds: float | None = None  # first token -> last token
+
+
 @dataclass
 class Decision:
     calls: list[ToolCall] = field(default_factory=list)
@@ -35,9 +45,13 @@ class Decision:
     # Waits for the decider (e.g. a server that died and came back), for the record's meta: the
     # loop writes them; a policy never edits the record itself.
     outages: list[dict[str, Any]] = field(default_factory=list)
-    # The model's thinking, kept apart: it never enters the history (the families' templates drop
-    # earlier thoughts), but a caller may look at it.
+    # The model's thinking, kept apart from the text: the history sends it back only as the
+    # family's template renders it (ContextManager.history_reasoning).
     reasoning: str | None = None
+    timing: Timing | None = None
+    # whether the thinking reached the request's thinking_token_budget (None: no budget sent, or
+    # the server did not count reasoning tokens)
+    thinking_budget_hit: bool | None = None
 
 
 class PromptTooLong(Exception):

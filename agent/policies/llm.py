@@ -17,6 +17,7 @@ from agent.policies.base import (
     Decision,
     PolicyUnavailable,
     PromptTooLong,
+    Timing,
     ToolCall,
     Usage,
 )
@@ -27,6 +28,13 @@ _TOKENS = re.compile(r"(\d+) (?:input )?tokens", re.I)
 # sampling fields the OpenAI client takes as keywords; the others go in extra_body
 _OPENAI_FIELDS = {"temperature", "top_p", "presence_penalty", "frequency_penalty", "seed"}
 _CONTEXT_SLACK = 512  # tokens a raised budget leaves free for the prompt's growth
+# The switch that makes a template render every earlier thought, not only the current turn's: the
+# name Qwen3.6's and Gemma 4's templates both read (history_reasoning: preserve)
+PRESERVE_THINKING = {"chat_template_kwargs": {"preserve_thinking": True}}
+# How a tool call opens in the families' formats (hermes and qwen3_coder, gemma4, deepseek_v3,
+# llama3_json); a pythonic call list opens with "[". A reply cut before its call closed keeps the
+# opening in its content, which the parser could not read as a call.
+_CALL_OPENINGS = ("<tool_call>", "<|tool_call>", "<｜tool▁calls▁begin｜>", '{"name"')
 
 
 class ServerUnavailable(PolicyUnavailable):
@@ -54,6 +62,8 @@ class LLMPolicy:
         sampling: dict[str, Any] | None = None,
         no_thinking: dict[str, Any] | None = None,
         thinking_off: bool = False,
+        thinking_budget: int | None = None,
+        preserve_thinking: bool = False,
         tool_choice: str | dict[str, Any] = "auto",
         outage_wait: float = 600.0,
         endpoint_file: str | Path | None = None,
@@ -64,7 +74,10 @@ class LLMPolicy:
         """``sampling``: the family's recommended settings (temperature, top_p, top_k, min_p,
         presence_penalty...; greedy when not given); ``no_thinking``: the request fields that
         switch the family's thinking off (None: it has no switch); ``thinking_off``: use that switch
-        from the first request; ``extra_body``: further vLLM request fields, e.g.
+        from the first request; ``thinking_budget``: thinking tokens per reply at most (vLLM's
+        ``thinking_token_budget``: the server then closes the thought itself; None: unbounded);
+        ``preserve_thinking``: ask the template to render every earlier thought the history
+        sends back (PRESERVE_THINKING); ``extra_body``: further vLLM request fields, e.g.
         {"ignore_eos": true}."""
         self.client = openai.OpenAI(
             base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries
@@ -75,6 +88,8 @@ class LLMPolicy:
         self.no_thinking = no_thinking
         # from the start when asked, else once a reply was cut while thinking at the largest budget
         self.thinking_off = thinking_off
+        self.thinking_budget = thinking_budget
+        self.preserve_thinking = preserve_thinking
         self.extra_body = dict(extra_body or {})
         self.tool_choice = tool_choice
         self.outage_wait = outage_wait
@@ -82,6 +97,7 @@ class LLMPolicy:
         self.key_file = key_file  # where api_key came from, for the refusal's message
         self.log = log
         self._limit: int | None = None  # the server's context length, once asked
+        self._sent_budget: int | None = None  # thinking_token_budget of the last request
 
     def context_limit(self) -> int | None:
         """The server's max_model_len (vLLM lists it with the model), if it says."""
@@ -103,15 +119,20 @@ class LLMPolicy:
                 settings[key] = value
             else:
                 body[key] = value
+        if self.preserve_thinking:
+            body = _merge(body, PRESERVE_THINKING)
         if self.thinking_off and self.no_thinking:
             body = _merge(body, self.no_thinking)
+        elif self.thinking_budget:
+            body["thinking_token_budget"] = self.thinking_budget
         if body:
             settings["extra_body"] = body
         return settings
 
     def _recover_from_cut(self, prompt_tokens: int) -> str:
-        """After a reply cut while thinking: the next request gets twice the completion budget
-        (as far as the context leaves room for), else the family's no-thinking switch; says which.
+        """After a reply cut while thinking or inside a tool call: the next request gets twice the
+        completion budget (as far as the context leaves room for), else the family's no-thinking
+        switch; says which.
         Never more than that: a reply cut again without thinking is an ordinary failed step."""
         room = self._limit - prompt_tokens - _CONTEXT_SLACK if self._limit else 2 * self.max_tokens
         if min(2 * self.max_tokens, room) > self.max_tokens:
@@ -200,13 +221,16 @@ class LLMPolicy:
         extra_body: dict[str, Any] | None = None,
         follow: bool = True,
     ) -> Any:
+        settings = self.request_settings(extra_body)
+        # the budget this request carries, which its reply's thinking is measured against
+        self._sent_budget = settings.get("extra_body", {}).get("thinking_token_budget")
         try:
             return self.client.chat.completions.create(
                 model=self.model,
                 messages=messages,
                 tools=tools,
                 tool_choice=self.tool_choice,
-                **self.request_settings(extra_body),
+                **settings,
             )
         except openai.BadRequestError as e:
             if _TOO_LONG.search(str(e)):
@@ -261,15 +285,59 @@ class LLMPolicy:
         reasoning = extra.get("reasoning") or extra.get("reasoning_content")
         usage = _usage(resp.usage)
         finish = choice.finish_reason
-        if finish == "length" and not calls and reasoning:
+        cut = _cut_where(message.content, reasoning) if finish == "length" and not calls else None
+        if cut:
             spent = f"at max_tokens {self.max_tokens}"
             if usage and usage.reasoning_tokens:
                 spent = f"{usage.reasoning_tokens} reasoning tokens, {spent}"
             plan = self._recover_from_cut(usage.prompt_tokens if usage else 0)
             # the loop records a reply without a call with its finish_reason: this says why
-            finish = f"length: cut while thinking ({spent}); {plan}"
+            finish = f"length: cut {cut} ({spent}); {plan}"
             print(f"step {world.next_step}: reply {finish}", file=self.log, flush=True)
-        return Decision(calls, message.content, usage, finish, outages, reasoning)
+        return Decision(
+            calls,
+            message.content,
+            usage,
+            finish,
+            outages,
+            reasoning,
+            _timing(resp),
+            self._budget_hit(usage),
+        )
+
+    def _budget_hit(self, usage: Usage | None) -> bool | None:
+        """Whether the reply's thinking reached the budget its request carried (the server then
+        forced the end of the thought): None when no budget was sent or no count came back.
+        vLLM 0.32 forces the end in place of the budget-th token, so a cut thought counts one
+        token less than the budget."""
+        if not self._sent_budget or usage is None or usage.reasoning_tokens is None:
+            return None
+        return usage.reasoning_tokens >= self._sent_budget - 1
+
+
+def _timing(resp: Any) -> Timing | None:
+    """vLLM's per-request timing (``metrics`` beside ``usage``, served with
+    --enable-per-request-metrics), in seconds; None from a server that does not send it."""
+    m = (resp.model_extra or {}).get("metrics") or {}
+    seconds = {
+        key: m[ms] / 1000 if m.get(ms) is not None else None
+        for key, ms in (
+            ("queue_seconds", "queue_time_ms"),
+            ("ttft_seconds", "time_to_first_token_ms"),
+            ("decode_seconds", "generation_time_ms"),
+        )
+    }
+    return Timing(**seconds) if any(v is not None for v in seconds.values()) else None
+
+
+def _cut_where(content: str | None, reasoning: str | None) -> str | None:
+    """Where a reply that ran out of tokens stopped: inside a tool call (its opening is in the
+    content), while thinking (a thought and no answer yet), else None (an ordinary cut reply)."""
+    text = (content or "").strip()
+    # a JSON list of calls or a pythonic one ("[{..." / "[name(..."), not any text in brackets
+    if re.match(r"\[\s*(\{|\w+\()", text) or any(o in text for o in _CALL_OPENINGS):
+        return "inside a tool call"
+    return "while thinking" if reasoning and not text else None
 
 
 def _usage(u: Any) -> Usage | None:

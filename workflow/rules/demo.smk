@@ -14,6 +14,7 @@ rule demo_data:
     threads: 1
     conda:
         "../../envs/agent.yaml"
-    container: "envs/agent.sif"
+    container:
+        AGENT_IMAGE
     shell:
         "python -m agent synth --outdir {params.outdir:q} --sample {wildcards.name:q} > {log:q} 2>&1"

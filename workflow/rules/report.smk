@@ -11,11 +11,12 @@ rule replay:
         "logs/replay/{sample}.log",
     threads: sample_value("cpus_per_task")  # the thread count of the run it checks
     resources:
-        cpus_per_task=sample_value("cpus_per_task"),
         **rule_resources("replay"),
+        cpus_per_task=sample_value("cpus_per_task"),
     conda:
         "../../envs/agent.yaml"
-    container: "envs/agent.sif"
+    container:
+        AGENT_IMAGE
     shell:
         """
         export OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} MKL_NUM_THREADS={threads}
@@ -30,8 +31,10 @@ rule replay:
 rule report:
     """The cohort report (index.html, cohort.tsv, RO-Crate) from all world states and replays."""
     input:
+        **COHORT_REPORT_INPUT,  # the cohort object's summary, only when it is on
         world_states=expand(str(SAMPLE.record), sample=SAMPLES),
         replays=expand(str(SAMPLE.replay), sample=SAMPLES),
+        comparison=rules.compare.output.tsv,  # what reprocessing changed, copied and linked
     output:
         # One folder: index.html links cohort.tsv and ro-crate/, which `snakemake --report`
         # ships with it only when they are one htmlindex item.
@@ -52,12 +55,18 @@ rule report:
             if WORKFLOW_ROOT
             else ""
         ),
+        cohort=f"--cohort {COHORT_DIR}" if COHORT_ON else "",
+        comparison=lambda wildcards, input: Path(input.comparison).parent,
+        # the servers' figures (only those that exist are read): the performance section
+        server_metrics=shlex.join(["--server-metrics", *SERVER_METRICS]) if SERVER_METRICS else "",
     resources:
         **rule_resources("report"),
     threads: 1
     conda:
         "../../envs/agent.yaml"
-    container: "envs/agent.sif"
+    container:
+        AGENT_IMAGE
     shell:
         "python -m agent report --world-states {input.world_states:q} --replays {input.replays:q}"
-        " --outdir {output.report:q} {params.workflow_root} > {log:q} 2>&1"
+        " --outdir {output.report:q} {params.workflow_root} {params.cohort}"
+        " --comparison {params.comparison:q} {params.server_metrics} > {log:q} 2>&1"

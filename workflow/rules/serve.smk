@@ -3,6 +3,14 @@
 # Snakemake stops the server once they have all finished. It is also temporary: once the shard's
 # analyses are done the file is gone, and since nothing then needs it, a later run starts no
 # server for a finished shard (a missing file that no job to be run needs is not remade).
+#
+# Its launcher samples the server's figures into SHARD.metrics.jsonl beside the endpoint file
+# (agent/serve/metrics.py), for the report's performance section: not an output, since a service
+# job must not fail for a file it could not write (a server that never served writes none).
+
+from agent.serve.metrics import metrics_path
+
+SERVER_METRICS = [str(metrics_path(Path(ENDPOINT.format(shard=shard)))) for shard in SHARDS]
 
 
 rule serve_vllm:
@@ -26,7 +34,8 @@ rule serve_vllm:
         "server_{shard}"
     conda:
         "../../envs/vllm.yaml"
-    container: "envs/vllm.sif"
+    container:
+        VLLM_IMAGE
     shell:
         # exec: the server itself receives Snakemake's SIGTERM at the end, not a wrapping shell
         "exec env {params.env} {params.command} --endpoint-file {output.endpoint:q} {params.args} "
@@ -53,6 +62,7 @@ rule fetch_model:
         hf_home=HF_HOME,
     conda:
         "../../envs/vllm.yaml"
-    container: "envs/vllm.sif"
+    container:
+        VLLM_IMAGE
     script:
         "../scripts/fetch_model.py"

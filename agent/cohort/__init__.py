@@ -1,0 +1,1 @@
+"""The cohort as a whole: the integrated object of its samples."""

@@ -1,0 +1,174 @@
+"""The cohort object: real finished samples, a planted batch effect, harmonypy, real files."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import orjson
+import pytest
+from scipy import sparse
+
+from agent.cohort.integrate import SAMPLE_LABEL, Options, finished_inputs, integrate
+from agent.layout import SampleLayout
+from tests.fixtures_report import DemoRun
+from tests.fixtures_workflow import WorkflowDir
+
+SHIFTED_GENES = 300  # genes whose counts the second batch multiplies: a strong batch effect
+CELLS = 500  # of the demo sample's, the same ones in each batch: enough for every step, and quick
+
+
+def _batch(source: SampleLayout, folder: Path, name: str, factor: float) -> Path:
+    """A finished sample folder: the demo run's record renamed, CELLS of its cells, their counts
+    scaled gene by gene (the same fixed genes, by ``factor``), X left for the integration to
+    rebuild."""
+    dst = SampleLayout(folder / name)
+    dst.root.mkdir(parents=True)
+    doc = orjson.loads(source.record.read_bytes())
+    doc["meta"]["sample"] = name
+    dst.record.write_bytes(orjson.dumps(doc))
+    adata = ad.read_h5ad(source.final)
+    adata = adata[np.random.default_rng(3).permutation(adata.n_obs)[:CELLS]].copy()
+    if factor != 1:
+        genes = np.random.default_rng(7).choice(adata.n_vars, SHIFTED_GENES, replace=False)
+        counts = adata.layers["counts"].toarray().astype(np.float32)
+        counts[:, genes] = np.round(counts[:, genes] * factor)
+        adata.layers["counts"] = sparse.csr_matrix(counts)
+    adata.write_h5ad(dst.final)
+    return dst.record
+
+
+@pytest.fixture(scope="module")
+def batches(demo_run: DemoRun, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two samples of the same cells, one with a planted batch effect, and one unfinished."""
+    root = tmp_path_factory.mktemp("cohort")
+    source = SampleLayout(demo_run.outdir)
+    records = [_batch(source, root, "a", 1), _batch(source, root, "b", 6)]
+    unfinished = SampleLayout(root / "c")
+    unfinished.root.mkdir()
+    doc = orjson.loads(source.record.read_bytes())
+    doc["meta"].update(sample="c", status="step_limit")
+    unfinished.record.write_bytes(orjson.dumps(doc))
+    return [*records, unfinished.record]
+
+
+@pytest.fixture(scope="module")
+def integrated(batches: list[Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    records, skipped = finished_inputs(batches)
+    assert [r.sample for r in records] == ["a", "b"] and "c" in skipped
+    out = {}
+    for method in ("none", "harmony"):
+        outdir = tmp_path_factory.mktemp(method)
+        out[method] = (integrate(records, outdir, Options(method=method)), outdir)
+    return out
+
+
+def test_harmony_mixes_the_samples_and_keeps_the_labels(integrated: dict):
+    none, harmony = integrated["none"][0]["metrics"], integrated["harmony"][0]["metrics"]
+    # without correction the planted effect keeps the samples apart; harmony mixes them
+    assert none["after"]["knn_mixing"] < 0.5
+    assert harmony["after"]["knn_mixing"] > none["after"]["knn_mixing"] + 0.3
+    assert harmony["after"]["silhouette_sample"] < none["after"]["silhouette_sample"]
+    # the labels each sample found stay apart after the correction
+    assert harmony["after"]["silhouette_label"] > 0.1
+    assert harmony["label_measured"] == SAMPLE_LABEL
+
+
+def test_the_object_names_its_samples_method_and_inputs(integrated: dict, batches: list[Path]):
+    summary, outdir = integrated["harmony"]
+    adata = ad.read_h5ad(outdir / "adata.h5ad")
+    assert set(adata.obs["sample"]) == {"a", "b"}
+    assert "cell_type" in adata.obs and "X_umap" in adata.obsm and "counts" in adata.layers
+    record = adata.uns["integration"]
+    assert record["method"] == "harmony" and record["library"] == "harmonypy"
+    assert record["library_version"] == summary["library_version"] != ""
+    assert set(record["inputs"]) == {"a", "b"}
+    from agent.provenance import file_sha256
+
+    assert record["inputs"]["a"]["world_state_sha256"] == file_sha256(batches[0])
+    saved = orjson.loads((outdir / "integration.json").read_bytes())
+    assert [i["sample"] for i in saved["inputs"]] == ["a", "b"]
+    for plot in saved["plots"].values():
+        assert (outdir / plot).stat().st_size > 1000
+
+
+def test_unknown_method_is_refused_naming_the_allowed_ones(batches: list[Path], tmp_path: Path):
+    out = subprocess.run(
+        [sys.executable, "-m", "agent", "integrate", "--world-states", *map(str, batches),
+         "--outdir", str(tmp_path), "--method", "scvi"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "--method" in out.stderr and "'none', 'harmony'" in out.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_one_finished_sample_is_too_few(batches: list[Path], tmp_path: Path):
+    out = subprocess.run(
+        [sys.executable, "-m", "agent", "integrate", "--world-states", str(batches[0]),
+         "--outdir", str(tmp_path), "--method", "none"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and "at least 2 finished samples" in out.stderr, out.stderr
+
+
+def test_the_report_and_crate_show_the_integration(
+    integrated: dict, demo_run: DemoRun, tmp_path: Path
+):
+    from agent.report import build_report
+
+    outdir = integrated["harmony"][1]
+    build_report([demo_run.world_state], [], tmp_path, cohort_dir=outdir)
+    index = (tmp_path / "index.html").read_text()
+    assert 'id="cohort-object"' in index and "harmonypy" in index
+    assert 'alt="integrated UMAP by sample"' in index and 'alt="integrated UMAP by label"' in index
+    crate = orjson.loads((tmp_path / "ro-crate" / "ro-crate-metadata.json").read_bytes())
+    action = next(e for e in crate["@graph"] if e["@id"] == "#integrate-cohort")
+    assert len(action["object"]) == 4  # two samples: record and final object each
+    assert {"@id": "cohort/integration.json"} in action["result"]
+    # without a cohort object, no section
+    build_report([demo_run.world_state], [], tmp_path / "plain")
+    assert "cohort-object" not in (tmp_path / "plain" / "index.html").read_text()
+
+
+def _workflow_with_finished_samples(workflow_dir: WorkflowDir, batches: list[Path]) -> None:
+    """The workflow's folder with the two finished samples in place and a sheet naming them."""
+    data = workflow_dir.path / "inputs.h5ad"
+    data.touch()
+    for record in batches[:2]:
+        shutil.copytree(
+            record.parent, workflow_dir.path / "results" / "samples" / record.parent.name
+        )
+    workflow_dir.write_sheet([{"sample": r.parent.name, "path": data.name} for r in batches[:2]])
+
+
+def test_workflow_builds_the_cohort_object_only_when_on(
+    workflow_dir: WorkflowDir, batches: list[Path]
+):
+    _workflow_with_finished_samples(workflow_dir, batches)
+    off = workflow_dir.snakemake("-n", "-p")
+    assert off.returncode == 0, off.stdout
+    assert "integrate_cohort" not in off.stdout and "--cohort" not in off.stdout
+    on = ("--config", "cohort_integration={method: none}")
+    plan = workflow_dir.snakemake("-n", "-p", *on)  # the report then shows the cohort object
+    assert "integrate_cohort" in plan.stdout and "--cohort results/cohort" in plan.stdout
+    target = "results/cohort/integration.json"
+    # the samples are finished: only the cohort job runs (options of many words before --cores)
+    out = workflow_dir.snakemake("--allowed-rules", "integrate_cohort", *on, "--cores", "2", target)
+    log = workflow_dir.path / "logs" / "cohort" / "integrate.log"
+    assert out.returncode == 0, out.stdout[-3000:] + (log.read_text() if log.is_file() else "")
+    summary = orjson.loads((workflow_dir.path / target).read_bytes())
+    assert summary["method"] == "none" and len(summary["inputs"]) == 2
+    adata = ad.read_h5ad(workflow_dir.path / "results" / "cohort" / "adata.h5ad", backed="r")
+    assert set(adata.obs["path"]) == {"inputs.h5ad"}  # the sheet's columns
+
+
+def test_workflow_refuses_an_unknown_method_naming_the_key(workflow_dir: WorkflowDir):
+    out = workflow_dir.snakemake("-n", "--config", "cohort_integration={method: scvi}")
+    assert out.returncode != 0
+    assert "'scvi' is not one of ['disabled', 'none', 'harmony']" in out.stdout, out.stdout[-2000:]
+    assert "['cohort_integration']['properties']['method']" in out.stdout
