@@ -140,14 +140,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def read_endpoint(path: str | Path) -> Endpoint:
-    """Read an endpoint file written by ``python -m agent serve`` (and the key it points to).
-
-    Refuses a stale file at once: one written on this host whose launcher and server processes
-    are all gone (a launcher killed with SIGKILL cannot remove it). From another host it cannot
-    tell, and the health wait decides.
-    """
-    p = Path(path)
+def read_info(p: Path, required: tuple[tuple[str, type], ...] = REQUIRED) -> dict[str, Any]:
+    """The endpoint file's JSON object, with the ``required`` fields of their types."""
     try:
         info = json.loads(p.read_text())
     except OSError as exc:
@@ -156,11 +150,23 @@ def read_endpoint(path: str | Path) -> Endpoint:
         raise EndpointError(f"endpoint file {p}: not valid JSON ({exc})") from exc
     if not isinstance(info, dict):
         raise EndpointError(f"endpoint file {p}: expected a JSON object")
-    for key, kind in REQUIRED:
+    for key, kind in required:
         if not isinstance(info.get(key), kind):
             raise EndpointError(
                 f"endpoint file {p}: field {key!r} is {info.get(key)!r}, expected {kind.__name__}"
             )
+    return info
+
+
+def read_endpoint(path: str | Path) -> Endpoint:
+    """Read an endpoint file written by ``python -m agent serve`` (and the key it points to).
+
+    Refuses a stale file at once: one written on this host whose launcher and server processes
+    are all gone (a launcher killed with SIGKILL cannot remove it). From another host it cannot
+    tell, and the health wait decides.
+    """
+    p = Path(path)
+    info = read_info(p)
     # the server process (pid) may outlive a killed launcher, and then still serves
     pids = [info[k] for k in ("launcher_pid", "pid") if isinstance(info.get(k), int)]
     if info.get("hostname") == socket.gethostname() and pids and not any(map(_alive, pids)):

@@ -300,7 +300,7 @@ def compare(
 def render(rows: list[dict[str, Any]], old: Path, new: Path | None) -> str:
     """comparison.html: the summary, one table row per sample, each sample's label confusion
     and records; the report's style sheet, nothing external."""
-    from agent.report.html import _asset, _environment, fmt
+    from agent.report.html import asset, fmt, templates
 
     def view(row: dict[str, Any]) -> dict[str, Any]:
         confusion = orjson.loads(row["label_confusion"]) if row.get("label_confusion") else {}
@@ -321,10 +321,10 @@ def render(rows: list[dict[str, Any]], old: Path, new: Path | None) -> str:
 
     counts = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
     return (
-        _environment()
+        templates()
         .get_template("comparison.html.j2")
         .render(
-            css=_asset("style.css"),
+            css=asset("style.css"),
             generated=datetime.now(UTC).isoformat(timespec="seconds"),
             old=str(old),
             new=str(new) if new is not None else f"the current analyses in {old}",

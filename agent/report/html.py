@@ -317,7 +317,8 @@ def _cell(ctx: Context, rec: dict[str, Any], key: str) -> tuple[str, str, str]:
     return text, classes, flag
 
 
-def _environment() -> jinja2.Environment:
+def templates() -> jinja2.Environment:
+    """The report's Jinja templates, which the comparison page (agent/cohort/compare.py) shares."""
     return jinja2.Environment(
         loader=jinja2.FunctionLoader(
             lambda name: resources.files("agent.report").joinpath("templates", name).read_text()
@@ -329,7 +330,8 @@ def _environment() -> jinja2.Environment:
     )
 
 
-def _asset(name: str) -> str:
+def asset(name: str) -> str:
+    """A file beside the templates (style.css, index.js), inlined into self-contained pages."""
     return resources.files("agent.report").joinpath("templates", name).read_text()
 
 
@@ -378,13 +380,13 @@ def render_index(
                 "cells": [_cell(ctx, rec, c.key) for c in columns[len(fixed) :]],
             }
         )
-    script = _asset("index.js")
+    script = asset("index.js")
     return (
-        _environment()
+        templates()
         .get_template("index.html.j2")
         .render(
             generated=datetime.now(UTC).isoformat(timespec="seconds"),
-            css=_asset("style.css"),
+            css=asset("style.css"),
             script=script,
             script_hash=script_hash(script),
             counts={
@@ -415,8 +417,8 @@ def render_index(
 
 def render_samples(ctx: Context, samples: list[Sample]) -> Iterator[tuple[str, str]]:
     """(file name, page) for each sample, one at a time: together they hold every plot."""
-    template = _environment().get_template("sample.html.j2")
-    css = _asset("style.css")
+    template = templates().get_template("sample.html.j2")
+    css = asset("style.css")
     records = {r["sample"]: r for r in ctx.table.to_dict("records")}
     names = [s.name for s in samples]
     for i, sample in enumerate(samples):

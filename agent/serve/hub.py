@@ -10,6 +10,7 @@ the error names.
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,18 @@ class ResolvedModel:
     model_id: str  # what --model said
     path: Path  # the directory vLLM loads (a snapshot for a Hub id)
     revision: str | None  # the snapshot's commit hash; None for a plain directory
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--revision``, as `agent serve` and `agent plan` both take them."""
+    parser.add_argument(
+        "--model",
+        help="model directory, or Hugging Face Hub id resolved offline in the local cache"
+        " (HF_HOME / HF_HUB_CACHE)",
+    )
+    parser.add_argument(
+        "--revision", default="main", help="Hub revision (branch, tag or commit) of a Hub id"
+    )
 
 
 def hub_cache() -> Path:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from agent import say
 from agent.serve import gpu as gpus
+from agent.serve import hub
 from agent.serve.gpu import GPU
 from agent.serve.model_config import ModelConfigError, ModelShape, load_model_config, model_shape
 
@@ -407,14 +408,7 @@ def plan_capacity(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        help="model directory, or Hugging Face Hub id resolved offline in the local cache"
-        " (as agent serve --model)",
-    )
-    parser.add_argument(
-        "--revision", default="main", help="Hub revision (branch, tag or commit) of a Hub id"
-    )
+    hub.add_model_arguments(parser)
     parser.add_argument(
         "--model-config", help="the model's config.json (or its directory), instead of --model"
     )
@@ -445,8 +439,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from agent.serve import hub
-
     try:
         if bool(args.model) == bool(args.model_config):
             raise ValueError("give one of --model (a directory or a Hub id) and --model-config")

@@ -77,14 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 name, help=text, description=text, formatter_class=parser.formatter_class
             )
         )
-    parser.add_argument(
-        "--model",
-        help="model directory, or Hugging Face Hub id resolved offline in the local cache"
-        " (HF_HOME / HF_HUB_CACHE)",
-    )
-    parser.add_argument(
-        "--revision", default="main", help="Hub revision (branch, tag or commit) of a Hub id"
-    )
+    hub.add_model_arguments(parser)
     parser.add_argument(
         "--catalogue",
         type=Path,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import say
-from agent.endpoint import probe
+from agent.endpoint import EndpointError, probe, read_info
 from agent.serve import metrics
 
 ACTIONS = {
@@ -53,29 +53,11 @@ HEADLINE = (
 )
 
 
-class Unreadable(Exception):
-    """The endpoint file is missing or is not one ``agent serve`` wrote."""
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--endpoint", type=Path, required=True, help="the server's endpoint file (SHARD.json)"
     )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of lines")
-
-
-def read_info(path: Path) -> dict[str, Any]:
-    try:
-        info = json.loads(path.read_text())
-    except OSError as exc:
-        raise Unreadable(f"endpoint file {path}: {exc.strerror}") from exc
-    except json.JSONDecodeError as exc:
-        raise Unreadable(f"endpoint file {path}: not valid JSON ({exc})") from exc
-    if not isinstance(info, dict) or not isinstance(info.get("url"), str):
-        raise Unreadable(
-            f"endpoint file {path}: expected a JSON object with a 'url' (agent serve's)"
-        )
-    return info
 
 
 def live(info: dict[str, Any], endpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -106,8 +88,8 @@ def lines(figures: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        info = read_info(args.endpoint)
-    except Unreadable as exc:
+        info = read_info(args.endpoint, required=(("url", str),))  # all it asks
+    except EndpointError as exc:
         say.error(str(exc))
         return 2
     problem = probe(info["url"])
