@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "run": ("agent.runner", "analyse one sample with the agent loop"),
     "synth": ("agent.data.synthetic", "write a synthetic sample or the demo cohort"),
     "serve": ("agent.serve.launch", "start a vLLM server with the four layers and wait on health"),
-    "plan": ("agent.serve.kvplan", "plan KV-cache capacity for a model on a GPU"),
+    "plan": ("agent.serve.plan_cli", "plan KV-cache capacity for a model on a GPU, as serve does"),
     "replay": ("agent.replay", "re-run a recorded world state and compare the results"),
     "report": ("agent.report", "aggregate world states into the cohort report"),
     "compare": ("agent.cohort.compare", "what reprocessing changed: two analyses of each sample"),

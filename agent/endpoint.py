@@ -158,6 +158,12 @@ def read_info(p: Path, required: tuple[tuple[str, type], ...] = REQUIRED) -> dic
     return info
 
 
+def _pids(info: dict[str, Any]) -> list[int]:
+    """The processes an endpoint file names as its writers: the launcher, and the server, which
+    may outlive a killed launcher and then still serves."""
+    return [info[k] for k in ("launcher_pid", "pid") if isinstance(info.get(k), int)]
+
+
 def read_endpoint(path: str | Path) -> Endpoint:
     """Read an endpoint file written by ``python -m agent serve`` (and the key it points to).
 
@@ -167,8 +173,7 @@ def read_endpoint(path: str | Path) -> Endpoint:
     """
     p = Path(path)
     info = read_info(p)
-    # the server process (pid) may outlive a killed launcher, and then still serves
-    pids = [info[k] for k in ("launcher_pid", "pid") if isinstance(info.get(k), int)]
+    pids = _pids(info)
     if info.get("hostname") == socket.gethostname() and pids and not any(map(_alive, pids)):
         raise EndpointError(
             f"endpoint file {p} is stale: written by {_writer(info)}, but no process of that "
@@ -253,9 +258,7 @@ def _launched(endpoint_file: str | Path) -> bool:
         info = json.loads(Path(endpoint_file).read_text())
     except (OSError, ValueError):
         return True  # gone or torn: the launcher's own business, the full wait decides
-    return isinstance(info, dict) and any(
-        isinstance(info.get(k), int) for k in ("launcher_pid", "pid")
-    )
+    return isinstance(info, dict) and bool(_pids(info))
 
 
 def wait_until_ready(

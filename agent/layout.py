@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 # Names inside a sample's folder. Kept beside the checkpoints are copies (hard links) of every
 # published file (record, metrics, final data, plots): Snakemake deletes a job's declared outputs
@@ -22,6 +23,14 @@ PLOTS = "plots"
 CHECKPOINTS = "checkpoints"
 PREVIOUS = "previous"
 LOCK = ".lock"
+
+
+class Kept(NamedTuple):
+    """A published file or folder and its copy beside the checkpoints."""
+
+    name: Path
+    copy: Path
+    written_as_copy: bool  # the runs write the copy and the name follows it, else the reverse
 
 
 @dataclass(frozen=True)
@@ -80,14 +89,15 @@ class SampleLayout:
     def plots_copy(self) -> Path:
         return self.checkpoints / PLOTS
 
-    def kept_copies(self) -> dict[Path, Path]:
-        """Each published file or folder and its copy beside the checkpoints."""
-        return {
-            self.record: self.record_copy,
-            self.metrics: self.metrics_copy,
-            self.final: self.final_copy,
-            self.plots: self.plots_copy,
-        }
+    def kept_copies(self) -> list[Kept]:
+        """Each published file or folder and its copy beside the checkpoints: the record and the
+        metrics are written as their copies, the final data and the plots under their names."""
+        return [
+            Kept(self.record, self.record_copy, written_as_copy=True),
+            Kept(self.metrics, self.metrics_copy, written_as_copy=True),
+            Kept(self.final, self.final_copy, written_as_copy=False),
+            Kept(self.plots, self.plots_copy, written_as_copy=False),
+        ]
 
     @property
     def lock(self) -> Path:

@@ -8,16 +8,20 @@
   run raises) on the same input with the same settings: resumed from its newest usable checkpoint;
 - any other input or setting: refused, naming it (redoing or mixing analyses takes ``--fresh``,
   or ``--replace-changed``, which the workflow passes: an edited sheet or input asks for it).
+
+``decide`` holds these rules, in order, with their reasons; ``plan`` carries its choice out.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from agent.durable import link_atomically, same_file
 from agent.integrity import check_record
-from agent.layout import SampleLayout
+from agent.layout import Kept, SampleLayout
 from agent.provenance import now
 from agent.registry import ToolRegistry
 from agent.world_state import WorldState, record_version
@@ -34,6 +38,61 @@ class CannotReuse(Exception):
     """The folder holds a record this run must not keep, resume or overwrite unasked."""
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What a run does with the folder's earlier record, and why. ``new``: whatever the folder
+    holds is set aside in ``previous/`` first; ``refuse``: ``why`` is the whole message."""
+
+    action: Literal["new", "keep", "resume", "refuse"]
+    why: str
+
+
+def decide(
+    layout: SampleLayout,
+    earlier: WorldState | None,
+    damage: str | None,
+    wanted: dict[str, Any],
+    max_steps: int,
+    fresh: bool = False,
+    replace_changed: bool = False,
+    served_model: str | None = None,
+) -> Choice:
+    """The rule table: the first rule that applies decides. ``earlier``: the folder's record (None:
+    none, or unreadable), ``damage``: what makes it unusable (``read_earlier``), ``wanted``: this
+    run's settings. ``served_model``: the model the policy's setup found, known only after a first
+    call chose to resume (``refuse_another_model``)."""
+    if fresh:
+        return Choice("new", "--fresh: an earlier analysis is set aside")
+    if damage:  # never build on, or keep, a record damaged or edited since it was written
+        return Choice("refuse", f"{damage}; rerun with --fresh to start this sample over")
+    if earlier is None:
+        return Choice("new", "no earlier record")
+    meta, status = earlier.meta, earlier.meta.get("status")
+    if served_model is not None and earlier.entries and meta.get("model") is not None:
+        wanted = {**wanted, "model": served_model}  # the model its steps were made by goes on
+    differ = "; ".join(differences(meta, wanted))
+    if differ and replace_changed:
+        return Choice("new", f"--replace-changed: other settings: {differ}")
+    if differ:
+        return Choice(
+            "refuse",
+            f"{layout.record_copy} holds an analysis of this sample ({status}) made with other "
+            f"settings: {differ}. Rerun with the same settings to keep or resume it, or with "
+            f"--fresh to start over (the earlier analysis is moved to {layout.root / 'previous'}/)",
+        )
+    if status == "input_refused" and record_version(meta) < RESOURCES_ARE_FAULTS:
+        # before version 2 too little memory for the input was a refusal too: not a result to
+        # keep; a refusal of the content costs a load_data to find again
+        return Choice("new", "input refused before record version 2: read it again")
+    if status in RESULTS:
+        return Choice("keep", f"ended with its result ({status})")
+    if ended_with_finish(earlier):
+        return Choice("keep", f"finish succeeded before the run ended ({status})")
+    if status == "step_limit" and earlier.next_step > max_steps:
+        return Choice("keep", f"at the step limit, which this run does not raise ({max_steps})")
+    return Choice("resume", f"unfinished ({status})")
+
+
 def differences(meta: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     return [
         f"{key} {meta.get(key)!r} (this run: {wanted[key]!r})"
@@ -42,23 +101,26 @@ def differences(meta: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     ]
 
 
-def refuse_other_settings(
-    layout: SampleLayout, meta: dict[str, Any], wanted: dict[str, Any]
-) -> None:
-    differ = differences(meta, wanted)
-    if differ:
-        raise CannotReuse(
-            f"{layout.record_copy} holds an analysis of this sample ({meta.get('status')}) made "
-            f"with other settings: {'; '.join(differ)}. Rerun with the same settings to keep or "
-            "resume it, or with --fresh to start over (the earlier analysis is moved to "
-            f"{layout.root / 'previous'}/)"
-        )
-
-
 def ended_with_finish(world: WorldState) -> bool:
     """A run killed after `finish` succeeded but before its record said so is finished."""
     last = world.entries[-1] if world.entries else None
     return last is not None and last.tool == "finish" and last.status == "ok"
+
+
+def read_earlier(layout: SampleLayout) -> tuple[WorldState | None, str | None]:
+    """The folder's record (None: none) and what makes it unusable, if anything: unreadable
+    (writes are atomic, so only outside damage does this), or altered since its run wrote it."""
+    path = layout.record_copy
+    if not path.exists():
+        return None, None
+    try:
+        earlier = WorldState.load(path)
+    except ValueError as e:
+        return None, f"cannot resume: {e}"
+    problems = check_record(earlier, layout.root, final=False)
+    if problems:
+        return earlier, f"{path} was altered: {'; '.join(p.what for p in problems)}"
+    return earlier, None
 
 
 def plan(
@@ -68,41 +130,32 @@ def plan(
     fresh: bool = False,
     replace_changed: bool = False,
 ) -> tuple[Action, WorldState | None]:
-    """What to do with the folder's earlier record (see the module's docstring);
-    ``replace_changed``: start over instead of refusing other settings."""
-    path = layout.record_copy
-    if fresh or not path.exists():
+    """Carry out ``decide`` on the folder's earlier record: set it aside for a new analysis, or
+    give it back to keep or resume; raises CannotReuse for a refusal."""
+    earlier, damage = (None, None) if fresh else read_earlier(layout)
+    choice = decide(layout, earlier, damage, wanted, max_steps, fresh, replace_changed)
+    if choice.action == "refuse":
+        raise CannotReuse(choice.why)
+    if choice.action == "new":
         set_aside(layout)
         return "new", None
-    try:
-        earlier = WorldState.load(path)
-    except ValueError as e:  # writes are atomic, so only outside damage does this
-        raise CannotReuse(
-            f"cannot resume: {e}; rerun with --fresh to start this sample over"
-        ) from None
-    problems = check_record(earlier, layout.root, final=False)
-    if problems:  # never build on, or keep, a record edited since it was written
-        raise CannotReuse(
-            f"{path} was altered: {'; '.join(p.what for p in problems)}; rerun with --fresh to "
-            "start this sample over"
-        )
-    if replace_changed and differences(earlier.meta, wanted):
-        set_aside(layout)
-        return "new", None
-    refuse_other_settings(layout, earlier.meta, wanted)
-    status = earlier.meta.get("status")
-    if status == "input_refused" and record_version(earlier.meta) < RESOURCES_ARE_FAULTS:
-        # before version 2 too little memory for the input was a refusal too: not a result to
-        # keep; a refusal of the content costs a load_data to find again
-        set_aside(layout)
-        return "new", None
-    if (
-        status in RESULTS
-        or ended_with_finish(earlier)
-        or (status == "step_limit" and earlier.next_step > max_steps)
-    ):
-        return "keep", earlier
-    return "resume", earlier
+    return choice.action, earlier
+
+
+def refuse_another_model(
+    layout: SampleLayout,
+    recorded: WorldState | None,
+    wanted: dict[str, Any],
+    max_steps: int,
+    served_model: str | None,
+) -> None:
+    """The rule table again once the policy's setup found the served model: a resumed analysis
+    goes on only with the model its steps were made by. ``recorded``: the record as it was before
+    this run (None: a new analysis). Too late to start over here, so another model is refused
+    even under ``--replace-changed``."""
+    choice = decide(layout, recorded, None, wanted, max_steps, served_model=served_model)
+    if choice.action == "refuse":
+        raise CannotReuse(choice.why)
 
 
 def set_aside(layout: SampleLayout) -> None:
@@ -121,11 +174,11 @@ def set_aside(layout: SampleLayout) -> None:
         target.mkdir(parents=True)
         for p in found:
             shutil.move(p, target / p.name)
-    for copy in layout.kept_copies().values():
-        if copy.is_dir():
-            shutil.rmtree(copy)
+    for kept in layout.kept_copies():
+        if kept.copy.is_dir():
+            shutil.rmtree(kept.copy)
         else:
-            copy.unlink(missing_ok=True)
+            kept.copy.unlink(missing_ok=True)
     if layout.checkpoints.is_dir():
         for p in layout.checkpoints.iterdir():
             if SampleLayout.checkpoint_step(p) is not None:
@@ -137,28 +190,31 @@ def publish(layout: SampleLayout) -> None:
     gone: Snakemake deletes a job's declared outputs when it fails, even after the agent ended
     (an input with a modification time in the future) or when the job was another workflow's,
     refused on this folder. The very files, linked, so bytes and modification times stay those of
-    the run that wrote them. The record's copy is the one the runs write (the name follows it);
-    the final data and plots are written under their names (the copy follows them); metrics rows
-    appended to a name that was deleted and made anew go after the copy's."""
-    if layout.record_copy.exists():
-        link_atomically(layout.record_copy, layout.record)
-    if layout.metrics_copy.exists():
-        _merge_metrics(layout)
-        link_atomically(layout.metrics_copy, layout.metrics)
-    plots = {
+    the run that wrote them. Of a name and its copy, the one the runs write is linked to the other
+    (``SampleLayout.kept_copies`` says which); metrics rows appended to a name that was deleted
+    and made anew go after the copy's."""
+    _merge_metrics(layout)  # before the copy replaces the name
+    for kept in layout.kept_copies():
+        for name, copy in _pairs(kept):
+            if name.exists() and not kept.written_as_copy:
+                link_atomically(name, copy)
+            elif copy.exists():  # the copy the runs write, or one of a name deleted
+                link_atomically(copy, name)
+
+
+def _pairs(kept: Kept) -> list[tuple[Path, Path]]:
+    """The published file and its copy; for a folder, each file in either and its copy (hidden
+    ones left out: a write in progress)."""
+    if not (kept.name.is_dir() or kept.copy.is_dir()):
+        return [(kept.name, kept.copy)]
+    names = {
         p.name
-        for folder in (layout.plots, layout.plots_copy)
+        for folder in (kept.name, kept.copy)
         if folder.is_dir()
         for p in folder.iterdir()
-        if p.is_file() and not p.name.startswith(".")  # hidden: a write in progress
+        if p.is_file() and not p.name.startswith(".")
     }
-    pairs = [(layout.final, layout.final_copy)]
-    pairs += [(layout.plots / n, layout.plots_copy / n) for n in sorted(plots)]
-    for name, copy in pairs:
-        if name.exists():
-            link_atomically(name, copy)
-        elif copy.exists():
-            link_atomically(copy, name)
+    return [(kept.name / n, kept.copy / n) for n in sorted(names)]
 
 
 def catch_up(world: WorldState, session: Any, registry: ToolRegistry) -> dict[str, Any]:
@@ -202,8 +258,8 @@ def keep_metrics(layout: SampleLayout, fresh: bool) -> None:
     path, kept = layout.metrics, layout.metrics_copy
     if fresh:
         kept.unlink(missing_ok=True)
-    else:
-        _merge_metrics(layout)
+    # rows written under a name made anew are merged by publish alone: it is what puts the copy in
+    # the name's place, at a run's end as before a resumed run (the runner publishes first)
     kept.parent.mkdir(parents=True, exist_ok=True)
     kept.touch()
     link_atomically(kept, path)

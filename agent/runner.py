@@ -33,7 +33,7 @@ from agent.resume import (
     keep_metrics,
     plan,
     publish,
-    refuse_other_settings,
+    refuse_another_model,
     remove_temporary,
 )
 from agent.signals import Interrupted, interruptible
@@ -113,7 +113,7 @@ def run_sample(config: RunConfig) -> str:
                 }
             )
         keep_metrics(layout, fresh=action == "new")
-        return _run(config, world, layout)
+        return _run(config, world, layout, wanted)
 
 
 def _keep(world: WorldState, layout: Any) -> str:
@@ -132,12 +132,13 @@ def _keep(world: WorldState, layout: Any) -> str:
     return meta["status"]
 
 
-def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
+def _run(config: RunConfig, world: WorldState, layout: Any, wanted: dict[str, Any]) -> str:
     from agent.tools import build_registry
     from agent.tools.session import DIGEST_VERSION, Session
 
     sample, meta = config.sample_name, world.meta
-    recorded_model = meta.get("model") if world.entries else None
+    # the record as it was, for the second look of the rule table once the model is known
+    recorded = WorldState(meta=dict(meta), entries=world.entries) if world.entries else None
     meta.update(
         policy=config.policy,
         model=None,
@@ -160,10 +161,7 @@ def _run(config: RunConfig, world: WorldState, layout: Any) -> str:
     context = None
     try:
         setup = make_policy(config, registry)
-        if recorded_model is not None:  # the same model must go on with a resumed analysis
-            refuse_other_settings(
-                layout, {"model": recorded_model}, {"model": setup.meta.get("model")}
-            )
+        refuse_another_model(layout, recorded, wanted, config.max_steps, setup.meta.get("model"))
         meta.update(setup.meta)
         meta["context_limit"] = setup.context_limit or config.context_limit
         context = ContextManager(

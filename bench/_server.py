@@ -29,10 +29,10 @@ import openai
 
 from agent.endpoint import Endpoint, http_json, read_endpoint, root_url
 from agent.policies.llm import LLMPolicy
+from agent.serve import metrics as server_metrics
 from agent.testing.local_server import (
     ServerFailed,
     launch,
-    prometheus,
     stop_launcher,
     wait_for_endpoint,
 )
@@ -80,9 +80,9 @@ class Server:
             extra_body={"ignore_eos": True},
         )
 
-    def metrics(self) -> dict[str, float]:
-        """Sums of the server's Prometheus series by name (label sets added up)."""
-        return prometheus(self.base_url, self.api_key)
+    def metrics(self) -> dict[str, Any]:
+        """The server's watched Prometheus series (``agent.serve.metrics.parse``)."""
+        return server_metrics.scrape(self.base_url, self.api_key)
 
     def reset_prefix_cache(self) -> None:
         status, body = http_json(

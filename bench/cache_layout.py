@@ -53,7 +53,7 @@ from agent.policies.llm import LLMPolicy
 from agent.registry import Outcome
 
 GOALS = {32768: 0.97, 16384: 0.93}
-PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
+PREFILL_SECONDS = "request_prefill_time_seconds"  # a histogram: its "sum"
 
 
 class ResentContext(ContextManager):
@@ -120,7 +120,7 @@ def measure(
     ``name`` starts with, from an empty cache; one table row."""
     layout = LAYOUTS[name.split()[0]]  # every arm is named after its layout
     server.reset_prefix_cache()
-    before = server.metrics()[PREFILL_SECONDS]
+    before = server.metrics()[PREFILL_SECONDS]["sum"]
     runs: list = [None] * len(sessions)
 
     def one(i: int, policy: Policy, limit: int, sleep: bool) -> None:
@@ -136,7 +136,7 @@ def measure(
         t.join()
     if any(r is None for r in runs):
         raise SystemExit(f"{name}: a session failed (see above)")
-    prefill_s = server.metrics()[PREFILL_SECONDS] - before
+    prefill_s = server.metrics()[PREFILL_SECONDS]["sum"] - before
     prompt = sum(r.total("prompt_tokens", skip_first=True) for r in runs)
     cached = sum(r.total("cached_tokens", skip_first=True) for r in runs)
     requests = sum(len(r.rows) for r in runs)

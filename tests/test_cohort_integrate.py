@@ -107,13 +107,47 @@ def test_unknown_method_is_refused_naming_the_allowed_ones(batches: list[Path], 
     assert not any(tmp_path.iterdir())
 
 
-def test_one_finished_sample_is_too_few(batches: list[Path], tmp_path: Path):
+def test_a_world_state_path_that_names_no_file_is_refused(batches: list[Path], tmp_path: Path):
     out = subprocess.run(
         [sys.executable, "-m", "agent", "integrate", "--world-states", str(batches[0]),
-         "--outdir", str(tmp_path), "--method", "none"],
+         str(tmp_path / "typo.json"), "--outdir", str(tmp_path / "cohort")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and f"no such file: {tmp_path / 'typo.json'}" in out.stderr
+    assert not (tmp_path / "cohort").exists()
+
+
+def test_one_finished_sample_is_not_integrated_and_the_report_says_so(
+    batches: list[Path], demo_run: DemoRun, tmp_path: Path
+):
+    """One finished sample and one unfinished: exit 0 and a summary that says "not integrated"
+    and names both; no object (an earlier one removed); the report and the crate claim none."""
+    outdir = tmp_path / "cohort"
+    outdir.mkdir()
+    (outdir / "adata.h5ad").write_bytes(b"an earlier integration's object")
+    out = subprocess.run(
+        [sys.executable, "-m", "agent", "integrate", "--world-states", str(batches[0]),
+         str(batches[2]), "--outdir", str(outdir), "--method", "none"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert out.returncode == 2 and "at least 2 finished samples" in out.stderr, out.stderr
+    assert out.returncode == 0, out.stderr
+    assert "not integrated: 1 finished sample (needs 2)" in out.stderr
+    summary = orjson.loads((outdir / "integration.json").read_bytes())
+    assert summary["integrated"] is False and [i["sample"] for i in summary["inputs"]] == ["a"]
+    assert summary["left_out"] == {"c": "run status step_limit"}
+    assert [p.name for p in outdir.rglob("*")] == ["integration.json"]
+    from agent.report import build_report
+
+    build_report([demo_run.world_state], [], tmp_path / "report", cohort_dir=outdir)
+    index = (tmp_path / "report" / "index.html").read_text()
+    assert "The cohort was not integrated: 1 finished sample (needs 2)" in index
+    assert "Finished: a." in index and "Left out: c (run status step_limit)." in index
+    assert "integrated UMAP" not in index
+    crate = orjson.loads((tmp_path / "report" / "ro-crate" / "ro-crate-metadata.json").read_bytes())
+    action = next(e for e in crate["@graph"] if e["@id"] == "#integrate-cohort")
+    assert action["result"] == [{"@id": "cohort/integration.json"}]
+    assert action["actionStatus"] == {"@id": "http://schema.org/FailedActionStatus"}
+    assert len(action["object"]) == 2  # the finished sample's record and final object
 
 
 def test_the_report_and_crate_show_the_integration(

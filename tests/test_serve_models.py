@@ -103,7 +103,7 @@ def test_explain_qwen36_27b_from_the_hub_cache(hf_home, gpu):
     assert "+ --max-cudagraph-capture-size 24" in out
     # prefix caching and 2 drafted tokens: vLLM keeps 4 states of the 48 linear layers, and
     # the MTP layer's KV beside the 16 full-attention layers
-    assert "4 x 146.8 MiB of linear-attention state per sequence (prefix caching" in out
+    assert "4 x 148.7 MiB of linear-attention state per sequence (prefix caching" in out
     assert "the same per token in 1 MTP layer(s), which keep KV while drafting 2" in out
 
 
@@ -127,6 +127,23 @@ def test_explain_gemma4_31b_from_the_hub_cache(hf_home, gpu):
     # vLLM reserves a window less one plus two batches in flight (its default batch per GPU)
     in_flight = {"H100": 16384, "A100": 4096, "H200": 16384}[gpu]
     assert f"(window 1,024 - 1 + {in_flight:,} tokens in flight)" in out
+
+
+def test_a_drafter_not_fetched_is_refused_before_any_server_starts(hf_home, tmp_path):
+    """--explain plans Gemma 4's assistant with a stand-in; serving needs its files, which vLLM
+    reads offline as the model's: the launcher names the drafter and how to fetch it, exit 2."""
+    endpoint = tmp_path / "server.json"
+    serve = [sys.executable, "-m", "agent", "serve", "--model", "google/gemma-4-31B-it"]
+    served = subprocess.run(
+        [*serve, "--gpu", "H100", "--endpoint-file", str(endpoint)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
+    assert served.returncode == 2 and not endpoint.exists()
+    assert "drafter google/gemma-4-31B-it-assistant" in served.stderr
+    assert "hf download google/gemma-4-31B-it-assistant" in served.stderr
 
 
 def test_gemma4_kv_plan_counts_global_layers_and_windows():

@@ -74,7 +74,7 @@ def test_usage_counts_match_the_chat_template(vllm_server, tiny_model_dir):
 
 def test_a_repeated_prefix_is_served_from_the_cache(vllm_server):
     client, nonce = vllm_server.client(), uuid.uuid4().hex  # a prefix no earlier test has sent
-    hits_before = vllm_server.metric("vllm:prefix_cache_hits_total")
+    hits_before = vllm_server.metric("prefix_cache_hits")
     first = client.chat.completions.create(
         model=vllm_server.model,
         messages=messages("Step 1.", nonce),
@@ -93,7 +93,7 @@ def test_a_repeated_prefix_is_served_from_the_cache(vllm_server):
     cached = second.usage.prompt_tokens_details.cached_tokens
     # everything up to the last full cache block before the differing user turn is reused
     assert 0.8 * first.usage.prompt_tokens < cached < second.usage.prompt_tokens
-    assert vllm_server.metric("vllm:prefix_cache_hits_total") - hits_before >= cached
+    assert vllm_server.metric("prefix_cache_hits") - hits_before >= cached
 
 
 def test_a_prompt_over_max_model_len_is_a_context_length_error(vllm_server):

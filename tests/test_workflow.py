@@ -3,6 +3,7 @@ demo cohort end to end with `snakemake --cores 2` (the README's main command).""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures_workflow import (
+    DEMO_SAMPLES,
     REPO,
     StandinHub,
     WorkflowDir,
@@ -401,9 +403,18 @@ def test_unreadable_input_is_a_recorded_result(workflow_dir: WorkflowDir, inputs
     assert "input refused (exit 3)" in (workflow_dir.path / "logs/analyze/a.log").read_text()
 
 
+def comparison_rows(tsv: Path) -> dict[str, dict[str, str]]:
+    """results/comparison/comparison.tsv by sample."""
+    with tsv.open() as handle:
+        return {r["sample"]: r for r in csv.DictReader(handle, delimiter="\t")}
+
+
 @pytest.mark.slow
-def test_demo_cohort_end_to_end(workflow_dir: WorkflowDir):
-    """`snakemake --cores 2` on the demo cohort: data, analyses, replays and the report."""
+def test_demo_cohort_end_to_end_and_reprocessed_after_a_sheet_edit(workflow_dir: WorkflowDir):
+    """`snakemake --cores 2` on the demo cohort: data, analyses, replays and the report. Then a
+    user edits one sample's sheet row (another seed) and reruns `snakemake`: only that sample is
+    redone (--replace-changed sets its first analysis aside in previous/), the comparison names
+    the setting that changed, and the report links it."""
     out = workflow_dir.snakemake("--cores", "2", timeout=1200)
     wd = workflow_dir.path
     logs = "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in sorted(wd.glob("logs/*/*.log")))
@@ -412,6 +423,34 @@ def test_demo_cohort_end_to_end(workflow_dir: WorkflowDir):
     # a second run has nothing to do: outputs are complete and up to date
     again = workflow_dir.snakemake("--cores", "2", "-n")
     assert "Nothing to be done" in again.stdout, again.stdout
+
+    records = {s: wd / "results" / "samples" / s / "world_state.json" for s in DEMO_SAMPLES}
+    before = {s: path.read_bytes() for s, path in records.items()}
+    with (wd / "samples.tsv").open() as handle:
+        rows = list(csv.DictReader(handle, delimiter="\t"))
+    next(r for r in rows if r["sample"] == "pbmc2")["seed"] = "1"  # others: empty, seed 0
+    workflow_dir.write_sheet(rows)
+    redo = workflow_dir.snakemake("--cores", "2", timeout=1200)
+    assert redo.returncode == 0, redo.stdout[-5000:]
+    counts = job_counts(redo.stdout)
+    assert counts == {"analyze": 1, "replay": 1, "compare": 1, "report": 1, "all": 1}, counts
+    assert all(records[s].read_bytes() == before[s] for s in ("pbmc1", "pbmc3"))
+    (previous,) = (wd / "results/samples/pbmc2/previous").glob("*/world_state.json")
+    assert previous.read_bytes() == before["pbmc2"]
+
+    table = wd / "results" / "comparison" / "comparison.tsv"
+    compared = comparison_rows(table)
+    assert set(compared) == set(DEMO_SAMPLES)
+    pbmc2 = compared["pbmc2"]
+    assert "run.seed: 0 -> 1" in pbmc2["parameters_changed"].split("; "), pbmc2
+    assert pbmc2["old_record"] == str(previous.resolve())
+    assert pbmc2["new_record"] == str(records["pbmc2"].resolve())
+    assert 0 <= float(pbmc2["same_label"]) <= 1 and int(pbmc2["shared_cells"]) > 0
+    for kept in ("pbmc1", "pbmc3"):  # never redone: nothing in previous/ to compare with
+        assert compared[kept]["outcome"] == "not reprocessed", compared[kept]
+    report = wd / "results" / "report"
+    assert 'href="comparison.html"' in (report / "index.html").read_text()
+    assert (report / "comparison.tsv").read_bytes() == table.read_bytes()
 
 
 def test_adding_a_sample_analyses_only_it_and_restarts_no_finished_shard(

@@ -9,6 +9,11 @@ integrated embedding -> umap, leiden, annotate_clusters or annotate_celltypist (
 Writes OUTDIR/adata.h5ad (uns['integration']: method, library and version, parameters, metrics,
 every input record with the sha256 of its world state and final object), OUTDIR/integration.json
 (the same, for the report and the RO-Crate) and OUTDIR/plots/umap_by_{sample,label}.png.
+
+Fewer than MIN_SAMPLES finished samples is an ordinary cohort (one sample given, or one failed),
+not an error: integration.json then says "not integrated", names the samples that finished and
+those left out, and no object or plots exist (an earlier integration's are removed); the command
+exits 0, by hand as in the workflow, whose report then says so.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ PLOTS = {"sample": "plots/umap_by_sample.png", "label": "plots/umap_by_label.png
 LABEL = "cell_type"  # the cohort's labels, as the sample tools name them
 SAMPLE_LABEL = "sample_cell_type"  # each cell's label in its own sample's analysis
 MAX_METRIC_CELLS = 5000  # silhouettes on a fixed-seed subsample: quadratic in the cells
+MIN_SAMPLES = 2  # one sample has no batches to integrate
 
 
 @dataclass(frozen=True)
@@ -186,17 +192,45 @@ def mixing_metrics(
     return out
 
 
+def not_integrated_statement(n_finished: int) -> str:
+    """Why there is no cohort object, in the words the summary, the report and stderr use."""
+    samples = "sample" if n_finished == 1 else "samples"
+    return f"not integrated: {n_finished} finished {samples} (needs {MIN_SAMPLES})"
+
+
+def write_not_integrated(
+    records: list[InputRecord], outdir: Path, options: Options, left_out: dict[str, str]
+) -> dict[str, Any]:
+    """The summary of a cohort with too few finished samples; an earlier integration's object
+    and plots go, so that nothing in OUTDIR claims an integration of this cohort."""
+    from agent.durable import atomic_write_json
+
+    for stale in (OBJECT, *PLOTS.values()):
+        (outdir / stale).unlink(missing_ok=True)
+    summary = {
+        "integrated": False,
+        "statement": not_integrated_statement(len(records)),
+        "method": options.method,
+        "parameters": {k: v for k, v in asdict(options).items() if v is not None},
+        "inputs": [asdict(r) for r in records],
+        "left_out": left_out,
+    }
+    atomic_write_json(outdir / SUMMARY, summary)
+    return summary
+
+
 def integrate(
     records: list[InputRecord], outdir: Path, options: Options,
-    columns: dict[str, dict[str, str]] | None = None,
+    columns: dict[str, dict[str, str]] | None = None, left_out: dict[str, str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Build, integrate, cluster and label the cohort object; write it, its summary and plots."""
+    """Build, integrate, cluster and label the cohort object; write it, its summary and plots.
+    ``left_out``: the samples not among ``records`` and why (`finished_inputs`' second part)."""
     names = [r.sample for r in records]
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"sample names appear twice among the world states: {twice}")
-    if len(records) < 2:
-        raise ValueError(f"integration needs at least 2 finished samples, got {len(records)}")
+    if len(records) < MIN_SAMPLES:
+        return write_not_integrated(records, outdir, options, left_out or {})
     import scanpy as sc
 
     from agent.durable import atomic_write_h5ad, atomic_write_json
@@ -240,6 +274,7 @@ def integrate(
     }
     library = LIBRARY[options.method]
     summary = {
+        "integrated": True,
         "method": options.method,
         "library": library,
         "library_version": metadata.version(library),
@@ -251,6 +286,7 @@ def integrate(
         "labels": {str(k): int(v) for k, v in adata.obs[LABEL].value_counts().items()},
         "metrics": metrics,
         "inputs": [asdict(r) for r in records],
+        "left_out": left_out or {},
         "object": OBJECT,
         "plots": PLOTS,
     }
@@ -289,6 +325,11 @@ def read_summary(folder: Path) -> dict[str, Any] | None:
     return orjson.loads(path.read_bytes()) if path.is_file() else None
 
 
+def is_integrated(summary: dict[str, Any]) -> bool:
+    """Whether ``summary`` describes a cohort object (summaries written before the flag did)."""
+    return summary.get("integrated", True)
+
+
 METRIC_NAMES = {
     "silhouette_sample": "silhouette by sample (lower: samples better mixed)",
     "knn_mixing": "kNN mixing (1: fully mixed, 0: none)",
@@ -298,14 +339,23 @@ METRIC_NAMES = {
 
 def report_view(folder: Path) -> dict[str, Any] | None:
     """What the cohort report shows of the integration in ``folder``: the method, the metrics
-    before and after, and the UMAPs (base64 PNG); None when there is none."""
+    before and after, and the UMAPs (base64 PNG); for a cohort not integrated, the statement and
+    the samples finished and left out; None when there is no summary."""
     import base64
 
     summary = read_summary(folder)
     if summary is None:
         return None
+    if not is_integrated(summary):
+        return {
+            "integrated": False,
+            "statement": summary["statement"],
+            "finished": [r["sample"] for r in summary["inputs"]],
+            "left_out": summary["left_out"],
+        }
     before, after = summary["metrics"]["before"], summary["metrics"]["after"]
     return {
+        "integrated": True,
         "method": f"{summary['method']} ({summary['library']} {summary['library_version']})",
         "n_samples": len(summary["inputs"]),
         "n_cells": summary["n_cells"],
@@ -357,6 +407,12 @@ def main(args: argparse.Namespace) -> int:
     if args.celltypist_model is not None and not args.celltypist_model.is_file():
         say.error(f"--celltypist-model {args.celltypist_model} is not a file")
         return 2
+    # a path that names no file is a mistake in the command, not a sample that did not finish:
+    # refused, where it would otherwise end as a quiet "not integrated"
+    missing = [str(p) for p in args.world_states if not p.is_file()]
+    if missing:
+        say.error(f"--world-states: no such file: {', '.join(missing)}")
+        return 2
     try:
         columns = sheet_columns(args.samples)
     except SampleSheetError as e:
@@ -372,13 +428,18 @@ def main(args: argparse.Namespace) -> int:
     from agent.registry import ToolError
 
     try:
-        summary = integrate(records, args.outdir, options, columns)
+        summary = integrate(records, args.outdir, options, columns, skipped)
     except ValueError as e:
         say.error(str(e))
         return 2
     except ToolError as e:  # a sample tool refused the cohort (e.g. cells without counts)
         say.error(f"the cohort object: {e}")
         return 1
+    if not summary["integrated"]:
+        # exit 0: the data is not at fault and the result is written; one rule by hand and in
+        # the workflow, whose report needs this summary to say why there is no cohort object
+        say.note(f"{summary['statement']}; wrote {args.outdir / SUMMARY}")
+        return 0
     after = summary["metrics"]["after"]
     print(
         f"integrated {len(records)} samples, {summary['n_cells']} cells ({args.method}): "

@@ -111,5 +111,6 @@ def thinking_budget(
     return family.get("thinking_budget") if parser else None
 
 
-# what the record keeps of the endpoint file's `info` about the server (contract item 3)
-SERVER_FIELDS = ("vllm_version", "model_id", "revision", "family")
+# what the record keeps of the endpoint file's `info` about the server (contract item 3);
+# `started_at` names the server itself, as its metrics rows do (the report's performance section)
+SERVER_FIELDS = ("vllm_version", "model_id", "revision", "family", "started_at")

@@ -8,12 +8,12 @@ import orjson
 import pandas as pd
 
 from agent.report.collect import MODEL_PROVENANCE, Sample, seconds_between
-from agent.tools import tool_specs
+from agent.tool_kinds import TOOL_KINDS
 
 # Tools that leave the data as they were: their parameters are bookkeeping (file names, prose),
 # not analysis choices.
-NOT_CHOICES = frozenset(name for name, spec in tool_specs().items() if not spec.mutates)
-CELL_FILTERS = tuple(name for name, spec in tool_specs().items() if spec.kind == "cell_filter")
+NOT_CHOICES = frozenset(name for name, spec in TOOL_KINDS.items() if not spec.mutates)
+CELL_FILTERS = tuple(name for name, spec in TOOL_KINDS.items() if spec.kind == "cell_filter")
 OUTCOME_COLUMNS = (
     "sample", "status", "error", "drift", "outliers", "input", "input_sha256", "policy", "model",
     *MODEL_PROVENANCE, "reference_annotation", "server_flags", "seed", "steps", "errors",

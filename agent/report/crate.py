@@ -27,7 +27,7 @@ from rocrate.model.softwareapplication import SoftwareApplication
 from rocrate.rocrate import ROCrate
 
 from agent.cohort.compare import TSV, input_records
-from agent.cohort.integrate import SUMMARY, read_summary
+from agent.cohort.integrate import SUMMARY, is_integrated, read_summary
 from agent.layout import SampleLayout
 from agent.provenance import versions
 from agent.report.collect import Sample
@@ -220,7 +220,9 @@ def _sample_actions(
 
 def _cohort_action(crate: ROCrate, folder: Path, summary: dict[str, Any]) -> ContextEntity:
     """The integration (`agent integrate`): every input record and final object by sha256, the
-    library and its version as instrument, the cohort object, its summary and UMAPs as results."""
+    library and its version as instrument, the cohort object, its summary and UMAPs as results.
+    A cohort not integrated (too few finished samples): the agent as instrument, the summary the
+    only result, failed with the summary's statement as its error."""
     inputs = []
     for record in summary["inputs"]:
         for key, what in (("world_state", "world state"), ("adata", "final AnnData")):
@@ -229,6 +231,18 @@ def _cohort_action(crate: ROCrate, folder: Path, summary: dict[str, Any]) -> Con
             entity = crate.get(uri) or crate.add_file(uri, properties=props)
             entity["sha256"] = props["sha256"]
             inputs.append(entity)
+    if not is_integrated(summary):
+        return crate.add_action(
+            _agent(crate, versions()),
+            "#integrate-cohort",
+            object=inputs,
+            result=[crate.add_file(folder / SUMMARY, f"cohort/{SUMMARY}")],
+            properties={
+                "name": f"integrate the cohort ({summary['method']}): {summary['statement']}",
+                "error": summary["statement"],
+                "actionStatus": {"@id": STATUS[False]},
+            },
+        )
     obj = folder / summary["object"]
     results = [
         crate.add_file(

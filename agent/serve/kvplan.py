@@ -14,25 +14,24 @@ plus the tokens in flight (two batches of ``max_num_batched_tokens`` under async
 GPU; the whole prompt on the CPU, which prefills it in one step); a linear-attention (Gated
 DeltaNet) layer ``2 + k`` states with prefix caching on (``mamba_cache_mode`` "align": the running
 state, the last block-aligned one, one per drafted token) and ``1 + k`` without; an MTP drafter
-its layers' full-attention KV and weights. vLLM rounds each layer group up to whole blocks and pads
-a linear state up to the attention page; ``tests/test_serve_kvplan.py`` checks the plan against
+its layers' full-attention KV and weights; a separate drafter model (``Drafter``) its weights and
+its own KV per token, out of the same GPU memory. A hybrid (linear + full attention) is laid out
+in vLLM's pages (``ModelShape._hybrid_sequence_bytes``: one page size, layers grouped by kind and
+padded); ``tests/test_families_vllm.py`` and ``tests/test_serve_mtp_cpu.py`` check the plan against
 the capacity vLLM reports at start-up within ``VLLM_TOLERANCE``.
 
-``python -m agent plan --model-config config.json --gpu H100-80GB --gpus 1`` prints the table.
+The inputs come from the flags `agent serve` chooses (``flags.select_flags``), which `agent plan`
+(``plan_cli.py``) prints as a table.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any
 
-from agent import say
-from agent.serve import gpu as gpus
 from agent.serve import hub
 from agent.serve.gpu import GPU
-from agent.serve.model_config import ModelConfigError, ModelShape, load_model_config, model_shape
+from agent.serve.model_config import ModelShape, load_model_config, model_shape
 
 GIB = 1024**3
 # Beyond weights and KV cache, each GPU holds activations, CUDA graphs and communication buffers;
@@ -42,12 +41,52 @@ DEFAULT_UTILIZATION = 0.90
 MIN_CONTEXT = 1024  # below this an agent cannot hold its tools and instructions
 CONTEXT_STEP = 256  # max-model-len is rounded down to a multiple of this
 TABLE_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
-# vLLM's share of block rounding and state padding the plan does not model (the tests hold it
-# to this against vLLM's own start-up figure)
-VLLM_TOLERANCE = 0.05
+# what the plan leaves to vLLM (a non-hybrid's rounding to whole blocks): the tests hold the plan
+# to this against vLLM's own start-up figure (measured: 0.2% for Gemma 3 and 4, under 0.1% for
+# Qwen3.5 with and without MTP)
+VLLM_TOLERANCE = 0.01
 
-DType = Literal["auto", "fp8", "bf16", "fp16"]
 _BYTES = {"fp8": 1, "bf16": 2, "fp16": 2}
+# Drafters whose layers all read the target's KV cache and hold none of their own (vLLM 0.32's
+# Gemma 4 MTP path: vllm/model_executor/models/gemma4_mtp.py, config/speculative.py)
+KV_SHARING_DRAFTERS = ("gemma4_assistant", "gemma4_unified_assistant")
+# A drafter whose config.json is not in the cache yet is planned with a stand-in rather than
+# refused: `agent serve --explain` and `agent plan` run where the weights are not (a laptop, a
+# login node before fetch_model, which fetches drafters beside the model), and vLLM itself will
+# not start without the drafter, so the stand-in only ever shapes an explanation. vLLM runs a
+# drafter of method "mtp" (the catalogue's Gemma 4 assistants) as an MTP module: the stand-in is
+# one of the model's own MTP layers, weights and one full-attention layer of KV (Gemma-4-31B's
+# assistant: 4 small layers, about 0.5 B parameters, no KV of its own). Any other drafter errs on
+# the large side: drafters worth their cost are a few per cent of their target (Qwen3-0.6B is 2% of
+# Qwen3-32B, 7% of Qwen3-8B), and one no deeper or wider than its target holds at most the KV
+# per token of the target's full-attention layers.
+STAND_IN_WEIGHTS_SHARE = 0.10
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """A drafter model beside the target (the ``model`` of ``--speculative-config``): its weights
+    and its own KV cache come out of the same GPU memory. ``shape`` None: its config.json could
+    not be read (``missing`` says why), and the plan holds the stand-in above."""
+
+    model: str
+    shape: ModelShape | None
+    missing: str = ""
+    method: str | None = None  # the speculative method vLLM runs it with ("mtp"), if named
+
+    @property
+    def holds_kv(self) -> bool:
+        return self.shape is None or self.shape.raw.get("model_type") not in KV_SHARING_DRAFTERS
+
+
+def read_drafter(model: str, method: str | None = None) -> Drafter:
+    """The drafter's config.json from its folder or the local Hub cache, offline as vLLM reads
+    it; one not fetched yet is a ``Drafter`` without shape, a broken one an error."""
+    try:
+        path = hub.resolve(model).path
+    except hub.ModelNotFound as exc:
+        return Drafter(model, None, str(exc), method)
+    return Drafter(model, model_shape(load_model_config(path)), method=method)
 
 
 @dataclass(frozen=True)
@@ -74,18 +113,33 @@ class KVPlan:
     mtp_layers: int = 0  # MTP layers drafting, each with a full layer's KV
     speculative_tokens: int = 0
     sliding_kv_bytes: float | None = None  # sliding layers' KV dtype where FP8 skips them
+    drafter: Drafter | None = None
+    drafter_weights_gib: float = 0.0
 
     def sequence_bytes(self, tokens: int) -> float:
-        """Cache bytes one sequence of ``tokens`` holds, as vLLM reserves them."""
+        """Cache bytes one sequence of ``tokens`` holds, as vLLM reserves them (the drafter's
+        own KV included)."""
         return self.shape.sequence_bytes(
-            tokens,
-            self.kv_bytes,
-            self.tp,
-            in_flight=self.in_flight,
-            linear_states=self.linear_states,
-            mtp_layers=self.mtp_layers,
-            sliding_kv_bytes=self.sliding_kv_bytes,
+            tokens, self.kv_bytes, self.tp, mtp_layers=self.mtp_layers, **self.held()
+        ) + self.drafter_sequence_bytes(tokens)
+
+    def drafter_sequence_bytes(self, tokens: int) -> float:
+        return drafter_sequence_bytes(
+            self.drafter, self.shape, tokens, self.kv_bytes, self.tp, **self.held()
         )
+
+    def held(self) -> dict[str, Any]:
+        """How a sequence holds its cache beside its length (``ModelShape.sequence_bytes``)."""
+        return {
+            "in_flight": self.in_flight,
+            "linear_states": self.linear_states,
+            "sliding_kv_bytes": self.sliding_kv_bytes,
+            "draft_tokens": self.speculative_tokens,
+            "block_align": block_align(self.gpu),
+        }
+
+    def full_bytes_per_token(self) -> float:
+        return _full_bytes_per_token(self.shape, self.kv_bytes, self.tp)
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -146,7 +200,7 @@ class KVPlan:
     def kv_summary(self) -> str:
         """Bytes per token of the layers that grow with every token, and of the windowed ones."""
         s = self.shape
-        full = s.count("full") * s.kv_bytes_per_token_per_layer(self.kv_bytes, "full", self.tp)
+        full = self.full_bytes_per_token()
         text = f"{full:,.0f} B/token ({self.kv_dtype}) in {s.count('full')} full-attention layers"
         if self.mtp_layers:
             text += (
@@ -169,10 +223,46 @@ class KVPlan:
             )
         if s.linear is not None:
             text += (
-                f" + {self.linear_states} x {s.linear_state_bytes() / 2**20:,.1f} MiB of"
+                f" + {self.linear_states} x {s.linear_state_bytes(self.speculative_tokens) / 2**20:,.1f} MiB of"
                 f" linear-attention state per sequence ({self.linear_states_reason()})"
             )
         return f"{text}; {self.per_token_formula()}"
+
+    def drafter_summary(self) -> str | None:
+        """The drafter's share of the GPU memory and why, or None without a drafter."""
+        d = self.drafter
+        if d is None:
+            return None
+        weights = f"weights {self.drafter_weights_gib:.1f} GiB"
+        if d.shape is None:
+            kv = f"{self.drafter_sequence_bytes(1):,.0f} B/token of its own KV"
+            stand_in = (
+                f"one of the model's own MTP layers, as vLLM's mtp method runs it: {weights},"
+                f" {kv} (one full-attention layer)"
+                if d.method == "mtp"
+                else f"{weights} ({STAND_IN_WEIGHTS_SHARE:.0%} of the model's; drafters worth"
+                f" running are a few per cent of their target) and {kv} (as much as the model's"
+                " full-attention layers: a drafter is no deeper or wider than its target)"
+            )
+            return (
+                f"{d.model}: its config.json cannot be read ({d.missing}); planned with a stand-in"
+                f" until it is: {stand_in}"
+            )
+        s = d.shape
+        held = f"{s.num_layers} layers, {s.param_count() / 1e9:.2f} B parameters"
+        if not d.holds_kv:
+            return (
+                f"{d.model} ({held}): {weights}; no KV of its own (its layers read the model's"
+                f" KV cache: vLLM's {s.raw.get('model_type')} path)"
+            )
+        per_token = s.kv_bytes_per_token(self.kv_bytes, self.tp, self.sliding_kv_bytes)
+        length = self.max_model_len
+        return (
+            f"{d.model} ({held}): {weights} and its own KV cache, {per_token:,.0f} B/token"
+            f" ({self.kv_dtype}) in its attention layers:"
+            f" {self.drafter_sequence_bytes(length) / GIB:.2f} GiB of each {length:,}-token"
+            f" sequence's {self.sequence_bytes(length) / GIB:.2f} GiB"
+        )
 
     def linear_states_reason(self) -> str:
         k = self.speculative_tokens
@@ -197,10 +287,21 @@ class KVPlan:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_formula": self.per_token_formula(),
             "tensor_parallel": self.tp,
-            "linear_state_bytes_per_seq": self.linear_states * self.shape.linear_state_bytes(),
+            "linear_state_bytes_per_seq": self.linear_states
+            * self.shape.linear_state_bytes(self.speculative_tokens),
             "linear_states_per_seq": self.linear_states,
             "mtp_kv_layers": self.mtp_layers,
             "sliding_in_flight_tokens": self.in_flight,
+            "speculative_tokens": self.speculative_tokens,
+            "drafter": None
+            if self.drafter is None
+            else {
+                "model": self.drafter.model,
+                "config_read": self.drafter.shape is not None,
+                "weights_gib": round(self.drafter_weights_gib, 2),
+                "kv_bytes_at_max_model_len": self.drafter_sequence_bytes(self.max_model_len),
+                "reason": self.drafter_summary(),
+            },
             "tokens_fit": self.tokens_fit,
             "agents": self.agents,
             "context_per_agent": self.context_per_agent,
@@ -214,9 +315,12 @@ class KVPlan:
         if g.is_cpu:
             budget = f"{self.kv_budget_gib:.1f} GiB (VLLM_CPU_KVCACHE_SPACE)"
         else:
+            drafter = (
+                f" - drafter {self.drafter_weights_gib:.1f}" if self.drafter is not None else ""
+            )
             budget = (
                 f"{self.kv_budget_gib:.1f} GiB = {g.count} x {g.memory_gib:g} GiB x "
-                f"{self.gpu_memory_utilization:g} - weights {self.weights_gib:.1f}"
+                f"{self.gpu_memory_utilization:g} - weights {self.weights_gib:.1f}{drafter}"
                 f" - overhead {self.overhead_gib:g}"
             )
         rows = [
@@ -243,10 +347,20 @@ class KVPlan:
             rows.append(
                 (
                     "linear state",
-                    f"{self.linear_states} x {s.linear_state_bytes() / 2**20:,.1f} MiB per"
+                    f"{self.linear_states} x {s.linear_state_bytes(self.speculative_tokens) / 2**20:,.1f} MiB per"
                     f" sequence, any length ({self.linear_states_reason()})",
                 )
             )
+        if self.mtp_layers:
+            rows.append(
+                (
+                    "MTP",
+                    f"{self.mtp_layers} layer(s) draft {self.speculative_tokens} token(s): their"
+                    " weights, and KV per token as a full-attention layer",
+                )
+            )
+        if self.drafter is not None:
+            rows.append(("drafter", self.drafter_summary()))
         rows += [
             ("tokens that fit", f"{self.tokens_fit:,} (every attention layer holding every token)"),
             (
@@ -268,6 +382,56 @@ class KVPlan:
             per = self.sequence_bytes(ctx) / GIB
             lines.append(f"{ctx:>10,}  {self.seqs_fit(ctx):>15,}  {per:>13.2f}")
         return "\n".join(lines)
+
+
+def _full_bytes_per_token(shape: ModelShape, kv_bytes: float, tp: int) -> float:
+    """KV bytes per token of a model's full-attention layers."""
+    return shape.count("full") * shape.kv_bytes_per_token_per_layer(kv_bytes, "full", tp)
+
+
+def drafter_sequence_bytes(
+    drafter: Drafter | None,
+    target: ModelShape,
+    tokens: int,
+    kv_bytes: float,
+    tp: int,
+    **held: Any,
+) -> float:
+    """The drafter's own KV for a sequence of ``tokens``: its layers at the KV cache's dtype (one
+    cache config for both models), held as the target's are (``held``: in flight, linear states,
+    sliding dtype); for a stand-in, one or all of the target's full-attention layers' KV per
+    token (see STAND_IN_WEIGHTS_SHARE)."""
+    if drafter is None or not drafter.holds_kv:
+        return 0.0
+    if drafter.shape is None and drafter.method == "mtp":
+        return tokens * target.kv_bytes_per_token_per_layer(kv_bytes, "full", tp)
+    if drafter.shape is None:
+        return tokens * _full_bytes_per_token(target, kv_bytes, tp)
+    return drafter.shape.sequence_bytes(tokens, kv_bytes, tp, **held)
+
+
+def _weights_gib(shape: ModelShape, n_params: int, wbytes: float, vision: int) -> float:
+    """Weights in GiB; FP8 (online or in the checkpoint) quantizes the layers' linear weights
+    only, so embeddings, lm_head and the vision tower keep the model's dtype."""
+    kept = min(n_params, shape.embedding_params() + vision) if wbytes < shape.dtype_bytes else 0
+    return ((n_params - kept) * wbytes + kept * shape.dtype_bytes) / GIB
+
+
+def _drafter_weights_gib(
+    drafter: Drafter | None, target: ModelShape, target_weights_gib: float
+) -> float:
+    """A drafter's weights as the target's are counted (text model, from its config, at its
+    checkpoint's dtype: vLLM quantizes a drafter only as its own checkpoint says); a stand-in's
+    as STAND_IN_WEIGHTS_SHARE says."""
+    if drafter is None:
+        return 0.0
+    if drafter.shape is None and drafter.method == "mtp":
+        return replace(target, mtp_layers=1).mtp_params() * target.dtype_bytes / GIB
+    if drafter.shape is None:
+        return STAND_IN_WEIGHTS_SHARE * target_weights_gib
+    d = drafter.shape
+    wbytes = 1 if d.checkpoint_fp8 else d.dtype_bytes
+    return _weights_gib(d, d.param_count() - d.vision_params, wbytes, 0)
 
 
 def _bytes_for(dtype: str, default: float, what: str) -> float:
@@ -294,6 +458,12 @@ def in_flight_tokens(gpu: GPU) -> int | None:
     return 2 * batched
 
 
+def block_align(gpu: GPU) -> int:
+    """The block size vLLM 0.32 grows a hybrid model's attention blocks in: its default block
+    (128 tokens on the CPU, 16 on GPUs)."""
+    return 128 if gpu.is_cpu else 16
+
+
 def plan_capacity(
     shape: ModelShape,
     gpu: GPU,
@@ -309,12 +479,14 @@ def plan_capacity(
     speculative_tokens: int = 0,
     mtp: bool = False,
     skip_sliding: bool = False,
+    drafter: Drafter | None = None,
 ) -> KVPlan:
     """Plan KV capacity; ``auto`` dtypes follow the checkpoint (FP8 checkpoints count 1 byte for
     the layers' weights). ``language_model_only``: the vision tower is not loaded.
     ``speculative_tokens`` drafted per step, by the model's MTP layers when ``mtp``.
     ``skip_sliding``: sliding-window layers keep the model's dtype under a quantised KV cache
-    (`--kv-cache-dtype-skip-layers sliding_window`)."""
+    (`--kv-cache-dtype-skip-layers sliding_window`). ``drafter``: a separate drafter model, whose
+    weights and own KV share the GPUs."""
     if agents < 1:
         raise ValueError(f"agents {agents}: expected at least 1")
     if not 0 < gpu_memory_utilization <= 1:
@@ -329,33 +501,41 @@ def plan_capacity(
     )
     kbytes = _bytes_for(kv_dtype, shape.dtype_bytes, "KV cache dtype")
     sliding_bytes = shape.dtype_bytes if skip_sliding and kbytes < shape.dtype_bytes else None
-    # FP8 (online or in the checkpoint) quantizes the layers' linear weights only
-    kept = min(n_params, shape.embedding_params() + vision) if wbytes < shape.dtype_bytes else 0
-    weights_gib = ((n_params - kept) * wbytes + kept * shape.dtype_bytes) / GIB
+    weights_gib = _weights_gib(shape, n_params, wbytes, vision)
+    drafter_gib = _drafter_weights_gib(drafter, shape, weights_gib)
     tp = 1 if gpu.is_cpu else gpu.count
     if gpu.is_cpu:  # weights live in host RAM beside a fixed KV space
         overhead, budget = 0.0, gpu.memory_gib
     else:
         overhead = GPU_OVERHEAD_GIB * gpu.count
-        budget = gpu.count * gpu.memory_gib * gpu_memory_utilization - weights_gib - overhead
+        budget = (
+            gpu.count * gpu.memory_gib * gpu_memory_utilization
+            - weights_gib
+            - drafter_gib
+            - overhead
+        )
         if budget <= 0:
+            drafted = f" (+ {drafter_gib:.1f} GiB of drafter)" if drafter else ""
             raise ValueError(
-                f"{shape.source}: weights need {weights_gib:.1f} GiB but {gpu.label()} at utilisation "
-                f"{gpu_memory_utilization:g} leaves {budget + weights_gib:.1f} GiB; use more GPUs "
-                "(--gpus) or FP8 weights"
+                f"{shape.source}: weights need {weights_gib:.1f} GiB{drafted} but {gpu.label()}"
+                f" at utilisation {gpu_memory_utilization:g} leaves"
+                f" {budget + weights_gib + drafter_gib:.1f} GiB; use more GPUs (--gpus) or FP8"
+                " weights"
             )
     model_max = shape.max_position_embeddings
     budget_bytes = budget * GIB
-    held = {
+    held: dict[str, Any] = {
         "in_flight": in_flight_tokens(gpu),
         # vLLM's "align" mode with prefix caching, else one running state, each + drafts
         "linear_states": (2 if prefix_caching else 1) + speculative_tokens,
-        "mtp_layers": mtp_layers,
         "sliding_kv_bytes": sliding_bytes,
     }
+    pages = {"draft_tokens": speculative_tokens, "block_align": block_align(gpu)}  # a hybrid's
 
     def seq_bytes(tokens: int) -> float:
-        return shape.sequence_bytes(tokens, kbytes, tp, **held)
+        return shape.sequence_bytes(
+            tokens, kbytes, tp, mtp_layers=mtp_layers, **held, **pages
+        ) + drafter_sequence_bytes(drafter, shape, tokens, kbytes, tp, **held, **pages)
 
     def fits(tokens: int, seqs: int) -> bool:
         return seqs * seq_bytes(tokens) <= budget_bytes
@@ -402,60 +582,9 @@ def plan_capacity(
         max_num_seqs=min(agents, seqs_fit),
         seqs_fit_at_max_len=seqs_fit,
         tp=tp,
+        mtp_layers=mtp_layers,
         speculative_tokens=speculative_tokens,
+        drafter=drafter,
+        drafter_weights_gib=drafter_gib,
         **held,
     )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    hub.add_model_arguments(parser)
-    parser.add_argument(
-        "--model-config", help="the model's config.json (or its directory), instead of --model"
-    )
-    parser.add_argument(
-        "--gpu",
-        default="auto",
-        help="auto (nvidia-smi), cpu, or a preset: " + ", ".join([*gpus.PRESETS, *gpus.ALIASES]),
-    )
-    parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (tensor parallel)")
-    parser.add_argument("--agents", type=int, default=8, help="concurrent agents to plan for")
-    parser.add_argument(
-        "--kv-dtype", default="auto", choices=["auto", *_BYTES], help="KV cache dtype"
-    )
-    parser.add_argument(
-        "--weight-dtype", default="auto", choices=["auto", *_BYTES], help="weights dtype"
-    )
-    parser.add_argument("--max-model-len", type=int, default=None, help="fix the context length")
-    parser.add_argument(
-        "--params", type=float, default=None, help="parameter count (else estimated)"
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=DEFAULT_UTILIZATION,
-        help="share of GPU memory vLLM may use",
-    )
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-def main(args: argparse.Namespace) -> int:
-    try:
-        if bool(args.model) == bool(args.model_config):
-            raise ValueError("give one of --model (a directory or a Hub id) and --model-config")
-        config = args.model_config or hub.resolve(args.model, args.revision).path / "config.json"
-        shape = model_shape(load_model_config(config))
-        plan = plan_capacity(
-            shape,
-            gpus.resolve(args.gpu, args.gpus),
-            agents=args.agents,
-            kv_dtype=args.kv_dtype,
-            weight_dtype=args.weight_dtype,
-            max_model_len=args.max_model_len,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            params=int(args.params) if args.params else None,
-        )
-    except (ModelConfigError, ValueError) as exc:
-        say.error(str(exc))
-        return 2
-    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
-    return 0

@@ -77,12 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 name, help=text, description=text, formatter_class=parser.formatter_class
             )
         )
-    hub.add_model_arguments(parser)
-    parser.add_argument(
-        "--catalogue",
-        type=Path,
-        help=f"site model catalogue (YAML) over the packaged one and ${catalogues.SITE_ENV}",
-    )
+    add_selection_arguments(parser)
     parser.add_argument(
         "--cache-dir",
         type=Path,
@@ -92,34 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--endpoint-file", type=Path, help="where to write the endpoint JSON once ready"
     )
-    parser.add_argument("--model-config", help="config.json (default: MODEL/config.json)")
     parser.add_argument(
         "--served-model-name",
         help="name clients use (default: the Hub id, or the model directory's name)",
-    )
-    parser.add_argument(
-        "--gpu",
-        default="auto",
-        help="auto (nvidia-smi; cpu only where no GPU was allocated), cpu, or a preset: "
-        + ", ".join([*gpus.PRESETS, *gpus.ALIASES]),
-    )
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (tensor parallel size)")
-    parser.add_argument(
-        "--agents", type=int, default=8, help="concurrent agents to plan capacity for"
-    )
-    parser.add_argument(
-        "--max-model-len", type=int, default=None, help="context length (default: KV plan)"
-    )
-    parser.add_argument(
-        "--enforce-eager", action="store_true", help="ask for eager mode (no CUDA graphs)"
-    )
-    parser.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a flag-selection override, e.g. speculative=off, family=gemma3,"
-        " reasoning_parser=none (value parsed as JSON if it can be)",
     )
     parser.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
@@ -144,6 +114,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="raw argument appended to vLLM's command line (write --extra-arg=--flag)",
     )
+
+
+def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
+    """What chooses the flags and the KV plan, as `agent serve` and `agent plan` both take it."""
+    hub.add_model_arguments(parser)
+    parser.add_argument(
+        "--catalogue",
+        type=Path,
+        help=f"site model catalogue (YAML) over the packaged one and ${catalogues.SITE_ENV}",
+    )
+    parser.add_argument("--model-config", help="config.json (default: MODEL/config.json)")
+    parser.add_argument(
+        "--gpu",
+        default="auto",
+        help="auto (nvidia-smi; cpu only where no GPU was allocated), cpu, or a preset: "
+        + ", ".join([*gpus.PRESETS, *gpus.ALIASES]),
+    )
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (tensor parallel size)")
+    parser.add_argument(
+        "--agents", type=int, default=8, help="concurrent agents to plan capacity for"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: KV plan)"
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="ask for eager mode (no CUDA graphs)"
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a flag-selection override, e.g. speculative=off, family=gemma3,"
+        " reasoning_parser=none, kv_cache_dtype=model, draft_model=ID (value parsed as JSON if"
+        " it can be)",
+    )
+
+
+def choose_flags(args: argparse.Namespace) -> tuple[hub.ResolvedModel | None, FlagPlan]:
+    """The model and its flags (with the KV plan) from the options of
+    ``add_selection_arguments``: the one path of `agent serve` and `agent plan`."""
+    model, config_path = resolve_model(args)
+    plan = select_flags(
+        gpus.resolve(args.gpu, args.gpus),
+        load_model_config(config_path),
+        parse_overrides(args),
+        catalogues.load(args.catalogue),
+        model_id=model.model_id if model else None,
+    )
+    return model, plan
 
 
 def parse_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -384,15 +404,7 @@ def main(args: argparse.Namespace) -> int:
     if args.action:
         return status.main(args)
     try:
-        model, config_path = resolve_model(args)
-        catalogue = catalogues.load(args.catalogue)
-        plan = select_flags(
-            gpus.resolve(args.gpu, args.gpus),
-            load_model_config(config_path),
-            parse_overrides(args),
-            catalogue,
-            model_id=model.model_id if model else None,
-        )
+        model, plan = choose_flags(args)
         if plan.checkpoint() and not args.explain:  # the published FP8 checkpoint, offline too
             model = serve_checkpoint(plan.checkpoint(), model)
     except (ModelConfigError, ValueError) as exc:  # hub, catalogue and GPU errors too
@@ -404,6 +416,10 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.endpoint_file is None or model is None:
         say.error("--model and --endpoint-file are required (unless --explain)")
+        return 2
+    drafter = plan.plan.drafter
+    if drafter is not None and drafter.shape is None:  # vLLM reads it offline, as the model
+        say.error(f"speculative decoding's drafter {drafter.model}: {drafter.missing}")
         return 2
     try:
         return serve(args, plan, model)

@@ -5,12 +5,16 @@ turned into the figures people read (``figures``): prefix-cache hit rate, MTP ac
 The exposition is parsed with prometheus_client's parser (a vLLM dependency). Each series is
 summed over its label sets (one per engine and served name); counters are kept as totals since the
 server started, histograms as sum, count and cumulative buckets (enough for a quantile), gauges as
-their value. A file holds the rows of every server that ran for its shard (a retried job starts a
-new one): ``started`` tells them apart, as each new server's counters start from zero.
+their value. A file holds the rows of every server that ran for its shard, in every workflow run
+(rows are appended; a retried job starts a new server): ``started`` tells them apart, as each new
+server's counters start from zero. It is the endpoint file's ``started_at``, which the record of
+each agent the server served keeps (``meta.server.started_at``), so a reader can take the rows of
+the servers its records used (agent/report/performance.py).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import threading
@@ -215,6 +219,20 @@ def figures(m: dict[str, Any], seconds: float | None = None) -> dict[str, Any]:
         "waiting": m.get("num_requests_waiting"),
         "kv_cache_usage": m.get("kv_cache_usage_perc"),
     }
+
+
+def servers(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The rows of each server (by its ``started``), in the order the servers first wrote."""
+    by_server: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_server.setdefault(row.get("started"), []).append(row)
+    return by_server
+
+
+def start_time(started: str) -> float:
+    """A server's ``started`` (ISO 8601, as the launcher writes it) in seconds since the epoch,
+    the clock of the rows' and the agents' ``time``."""
+    return dt.datetime.fromisoformat(started).timestamp()
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ head count and head dim (Gemma 4's global layers: ``num_global_key_value_heads``
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -139,17 +140,21 @@ class ModelShape:
             kv_bytes, "full", tp
         ) + self.count("sliding") * self.kv_bytes_per_token_per_layer(sliding, "sliding", tp)
 
-    def linear_state_bytes(self) -> float:
-        """Fixed recurrent + conv state per sequence over all linear-attention layers."""
-        if self.linear is None:
-            return 0.0
+    def linear_layer_state_bytes(self, draft_tokens: int = 0) -> float:
+        """One linear-attention layer's recurrent + conv state for one sequence; the conv window
+        holds the drafted tokens too."""
         lin = self.linear
+        if lin is None:
+            return 0.0
         ssm = lin.num_value_heads * lin.key_head_dim * lin.value_head_dim * 4  # fp32 state in vLLM
         conv_dim = (
             2 * lin.num_key_heads * lin.key_head_dim + lin.num_value_heads * lin.value_head_dim
         )
-        conv = (lin.conv_kernel - 1) * conv_dim * self.dtype_bytes
-        return self.count("linear") * (ssm + conv)
+        return ssm + (lin.conv_kernel - 1 + draft_tokens) * conv_dim * self.dtype_bytes
+
+    def linear_state_bytes(self, draft_tokens: int = 0) -> float:
+        """Fixed recurrent + conv state per sequence over all linear-attention layers."""
+        return self.count("linear") * self.linear_layer_state_bytes(draft_tokens)
 
     def sliding_tokens(self, tokens: int, in_flight: int | None = 0) -> int:
         """Tokens a sliding-window layer holds for a sequence of ``tokens``: its window, plus the
@@ -172,11 +177,19 @@ class ModelShape:
         linear_states: int = 1,
         mtp_layers: int = 0,
         sliding_kv_bytes: float | None = None,
+        draft_tokens: int = 0,
+        block_align: int = 16,
     ) -> float:
         """Cache bytes one sequence of ``tokens`` tokens holds: sliding layers up to their window
         (``sliding_tokens``), ``linear_states`` copies of the linear-attention state (vLLM keeps
         several with prefix caching and speculative decoding), and ``mtp_layers`` MTP layers that
-        keep full-attention KV when they draft; ``sliding_kv_bytes`` as in ``kv_bytes_per_token``."""
+        keep full-attention KV when they draft; ``sliding_kv_bytes`` as in ``kv_bytes_per_token``;
+        ``draft_tokens`` and ``block_align`` (the platform's block size) shape a hybrid's pages
+        (``_hybrid_sequence_bytes``)."""
+        if self.linear is not None and self.count("full") + mtp_layers:
+            return self._hybrid_sequence_bytes(
+                tokens, kv_bytes, tp, linear_states, mtp_layers, draft_tokens, block_align
+            )
         full = (self.count("full") + mtp_layers) * self.kv_bytes_per_token_per_layer(
             kv_bytes, "full", tp
         )
@@ -188,6 +201,29 @@ class ModelShape:
             + sliding * self.sliding_tokens(tokens, in_flight)
             + linear_states * self.linear_state_bytes()
         )
+
+    def _hybrid_sequence_bytes(
+        self,
+        tokens: int,
+        kv_bytes: float,
+        tp: int,
+        linear_states: int,
+        mtp_layers: int,
+        draft_tokens: int,
+        block_align: int,
+    ) -> float:
+        """A linear + full attention model as vLLM 0.32 lays out its cache: one page size for
+        both kinds, an attention block stretched (in steps of ``block_align`` tokens) until its
+        page holds one layer's linear state, which is padded to it; layers grouped by kind into
+        groups of one size (the smaller kind's count, or the larger's when within 1.5x), the last
+        group of a kind filled up with unused layers. Attention takes whole blocks."""
+        per_token = self.kv_bytes_per_token_per_layer(kv_bytes, "full", tp)
+        state = self.linear_layer_state_bytes(draft_tokens)
+        block = block_align * math.ceil(state / (block_align * per_token))
+        counts = (self.count("full") + mtp_layers, self.count("linear"))
+        size = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
+        full, linear = (math.ceil(n / size) * size for n in counts)
+        return block * per_token * (full * math.ceil(tokens / block) + linear * linear_states)
 
     def mtp_params(self) -> int:
         """Weights of the declared MTP layers (each a full decoder layer and a 2h -> h projection),

@@ -7,12 +7,14 @@ random-weight model write exactly that text; the server's own tool-call and reas
 turn it back into an OpenAI tool call and a ``reasoning`` field, which is what the loop runs.
 A logit bias on the family's marker tokens makes the model write each marker as its one token
 (as a trained model does), not spelled out in bytes, since the parsers find markers by token id.
+``pinned=True`` writes the call under vLLM's own tool grammar instead (the structural tag of the
+production strict level, asked by a strict tool whose arguments are ``const``): no regex of ours.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from agent.policies.base import Decision
@@ -101,18 +103,28 @@ class ForcedPolicy:
         markers: list[int],
         thinking: bool,
         endless: int = 0,
+        pinned: bool = False,
+        blanks: Iterable[int] = (),
     ):
         self.llm = llm
         # the grammar writes the whole reply, thought included; vLLM 0.32's thinking budget beside
         # it and the markers' logit bias derails the reply (a call cut at max_tokens, or a 500
         # when the budget forces its end), so forced replies carry no budget
         llm.thinking_budget = None
+        # the grammar fixes every token, so sampling changes nothing; greedy also spares vLLM-CPU
+        # a seeded request's generator, which it cannot rewind when a prefill is split (hybrid
+        # models with prefix caching split every prompt): "CPU Generator does not use offset"
+        llm.sampling = {**llm.sampling, "temperature": 0.0}
         self.reference = ReferencePolicy(registry)
         self.spell = CALLS[parser]
         self.thought = THOUGHTS[family] if thinking else None
         self.thinking_on = THINKING_ON.get(family, {}) if thinking else {}
         self.bias = {str(i): 100 for i in markers}
         self.endless = endless
+        self.pinned = pinned
+        # vLLM's JSON grammars allow any whitespace between values, which a trained model writes
+        # sparingly and a random one without end: pinned calls are written without it
+        self.pinned_bias = {**self.bias, **{str(i): -100 for i in blanks}}
         self.thoughts: list[str] = []  # what each forced reply thought, in order
         self.reasoning: list[str | None] = []  # what the server said each reply thought
 
@@ -123,6 +135,8 @@ class ForcedPolicy:
         if not planned.calls:
             return planned
         call = planned.calls[0]
+        if self.pinned:
+            return self._pinned(messages, tools, world, call.name, json.loads(call.arguments))
         text = self.spell(call.name, json.loads(call.arguments))
         pattern = literal(text)
         thinks = self.thought and not self.llm.thinking_off
@@ -141,5 +155,31 @@ class ForcedPolicy:
             "logit_bias": self.bias,
         }
         decision = self.llm.decide(messages, tools, world, extra_body=body)
+        self.reasoning.append(decision.reasoning)
+        return decision
+
+    def _pinned(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        world: WorldState,
+        name: str,
+        args: dict[str, Any],
+    ) -> Decision:
+        """The call written under vLLM's own tool grammar (the structural tag the production strict
+        level builds, here asked by a strict tool): the tool named, its arguments pinned by
+        ``const``; no regex of ours, no thought."""
+        schema = next(t for t in tools if t["function"]["name"] == name)
+        pinned = {
+            "type": "object",
+            "properties": {k: {"const": v} for k, v in args.items()},
+            "required": list(args),
+            "additionalProperties": False,
+        }
+        tool = {**schema, "function": {**schema["function"], "parameters": pinned, "strict": True}}
+        self.llm.tool_choice = {"type": "function", "function": {"name": name}}
+        decision = self.llm.decide(
+            messages, [tool], world, extra_body={"logit_bias": self.pinned_bias}
+        )
         self.reasoning.append(decision.reasoning)
         return decision

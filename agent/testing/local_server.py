@@ -1,5 +1,5 @@
 """``python -m agent serve`` as a child process, for the tests' fixtures and the benchmarks: start it,
-wait for its endpoint file, read its Prometheus counters, stop it."""
+wait for its endpoint file, stop it (its Prometheus series: ``agent.serve.metrics.scrape``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-from agent.endpoint import http_json, root_url
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,17 +65,3 @@ def stop_launcher(launcher: subprocess.Popen, timeout_s: float = 90) -> int:
                 f"launcher {launcher.pid} ignored SIGTERM for {timeout_s} s"
             ) from None
     return launcher.returncode
-
-
-def prometheus(base_url: str, api_key: str | None) -> dict[str, float]:
-    """The server's /metrics series summed by name over their label sets."""
-    status, text = http_json("GET", root_url(base_url) + "/metrics", api_key)
-    if status != 200:
-        raise ServerFailed(f"/metrics answered {status}")
-    sums: dict[str, float] = {}
-    for line in str(text).splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            key = name.split("{")[0]
-            sums[key] = sums.get(key, 0.0) + float(value)
-    return sums

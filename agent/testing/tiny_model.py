@@ -128,8 +128,8 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
         },
     ),
     # Qwen3.5/3.6: three Gated DeltaNet layers to one full (gated) attention layer, as the
-    # checkpoints interleave them, and one MTP layer declared (transformers builds no weights
-    # for it, so vLLM cannot draft with it)
+    # checkpoints interleave them, and one MTP layer (transformers builds no weights for it:
+    # build_tiny_model adds them, named as the published checkpoints name them)
     "qwen3_5": (
         "Qwen3_5TextConfig",
         "Qwen3_5ForCausalLM",
@@ -139,20 +139,6 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
             "layer_types": ["linear_attention"] * 3 + ["full_attention"],
             "attn_output_gate": True,
             "mtp_num_hidden_layers": 1,
-        },
-    ),
-    # Qwen3-Next: the same hybrid with sparse MoE (vLLM's class needs at least one MoE layer)
-    "qwen3_next": (
-        "Qwen3NextConfig",
-        "Qwen3NextForCausalLM",
-        {
-            **_GATED_DELTANET,
-            "num_hidden_layers": 4,
-            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 64,
-            "shared_expert_intermediate_size": 64,
         },
     ),
 }
@@ -281,16 +267,54 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = model_class(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
+    if getattr(config, "mtp_num_hidden_layers", 0):
+        _add_mtp_weights(out / "model.safetensors", config)
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": ids[spec.eos], "pad_token_id": ids[spec.control[0]]})
     )
     return out
 
 
+def _add_mtp_weights(weights: Path, config) -> None:
+    """Random weights for the MTP layers a Qwen3.5/3.6 config declares, under the checkpoints'
+    names (``mtp.fc``, ``mtp.pre_fc_norm_*``, ``mtp.norm``, ``mtp.layers.N.*``, each layer shaped
+    as the model's full-attention layer), so vLLM's MTP drafter loads and drafts."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    full = max(i for i, kind in enumerate(config.layer_types) if kind == "full_attention")
+    prefix = f"model.layers.{full}."
+    hidden = config.hidden_size
+    mtp = {
+        "mtp.fc.weight": torch.randn(hidden, 2 * hidden),
+        "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden),
+        "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden),
+        "mtp.norm.weight": torch.zeros(hidden),
+    }
+    for n in range(config.mtp_num_hidden_layers):
+        for name, tensor in tensors.items():
+            if name.startswith(prefix):  # matrices as the model's init; norms (1 + w) at zero
+                mtp[f"mtp.layers.{n}.{name[len(prefix) :]}"] = (
+                    torch.randn(tensor.shape) if tensor.dim() > 1 else torch.zeros(tensor.shape)
+                )
+    mtp = {name: (t * 0.02 if t.dim() > 1 else t).to(torch.bfloat16) for name, t in mtp.items()}
+    save_file({**tensors, **mtp}, weights, metadata={"format": "pt"})
+
+
 def marker_ids(model_dir: str | Path) -> list[int]:
     """The ids of a built model's marker tokens (those its parsers look for)."""
     config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
     return [int(i) for i, t in config["added_tokens_decoder"].items() if not t["special"]]
+
+
+def blank_ids(model_dir: str | Path) -> list[int]:
+    """The ids of a built model's tokens that are whitespace alone (a JSON grammar allows them
+    between any two values, so a random model can write them without end)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return [i for i in range(tok.get_vocab_size()) if tok.decode([i]).isspace()]
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from agent.registry import ToolRegistry, ToolSpec
+from agent.registry import ToolRegistry
 from agent.tools.annotate import annotate_clusters
 from agent.tools.cells import call_cells
 from agent.tools.celltypist_annotate import annotate_celltypist
@@ -50,11 +50,4 @@ def build_registry() -> ToolRegistry:
     return ToolRegistry(TOOLS)
 
 
-def tool_specs() -> dict[str, ToolSpec]:
-    """Each tool's metadata (kind, needs, cost, whether it changes the data) by name, in TOOLS
-    order, as ``@tool`` declared it: for readers of records (the report), with no registry to
-    build."""
-    return {fn.__name__: fn.spec for fn in TOOLS}
-
-
-__all__ = ["TOOLS", "Session", "build_registry", "tool_specs"]
+__all__ = ["TOOLS", "Session", "build_registry"]
