@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from agent import say
 from agent.durable import link_atomically, same_file
 from agent.integrity import check_record
 from agent.layout import Kept, SampleLayout
@@ -137,7 +138,9 @@ def plan(
     if choice.action == "refuse":
         raise CannotReuse(choice.why)
     if choice.action == "new":
-        set_aside(layout)
+        moved = set_aside(layout)
+        if moved is not None:  # the user learns why an analysis was redone, and where the old is
+            say.note(f"{layout.root.name}: {choice.why}; the earlier analysis is in {moved}")
         return "new", None
     return choice.action, earlier
 
@@ -158,11 +161,13 @@ def refuse_another_model(
         raise CannotReuse(choice.why)
 
 
-def set_aside(layout: SampleLayout) -> None:
+def set_aside(layout: SampleLayout) -> Path | None:
     """Before a new analysis: move an earlier one's published files and record to
-    ``previous/<its start time>/`` and drop its checkpoints (a new run must never restore them)."""
+    ``previous/<its start time>/`` (returned; None: nothing to move) and drop its checkpoints (a
+    new run must never restore them)."""
     publish(layout)  # whatever Snakemake deleted comes back from its copy, and goes with the rest
     found = [p for p in layout.kept_results() if p.exists()]
+    target = None
     if found:
         try:
             stamp = WorldState.load(layout.record_copy).meta.get("started") or now()
@@ -183,6 +188,7 @@ def set_aside(layout: SampleLayout) -> None:
         for p in layout.checkpoints.iterdir():
             if SampleLayout.checkpoint_step(p) is not None:
                 p.unlink()
+    return target
 
 
 def publish(layout: SampleLayout) -> None:

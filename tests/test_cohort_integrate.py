@@ -58,12 +58,14 @@ def batches(demo_run: DemoRun, tmp_path_factory: pytest.TempPathFactory) -> list
 
 @pytest.fixture(scope="module")
 def integrated(batches: list[Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    records, skipped = finished_inputs(batches)
-    assert [r.sample for r in records] == ["a", "b"] and "c" in skipped
+    broken = tmp_path_factory.mktemp("broken") / "world_state.json"
+    broken.write_text("{")  # left out under its path: a key h5ad would split into groups
+    records, skipped = finished_inputs([*batches, broken])
+    assert [r.sample for r in records] == ["a", "b"] and {"c", str(broken)} <= set(skipped)
     out = {}
     for method in ("none", "harmony"):
         outdir = tmp_path_factory.mktemp(method)
-        out[method] = (integrate(records, outdir, Options(method=method)), outdir)
+        out[method] = (integrate(records, outdir, Options(method=method), None, skipped), outdir)
     return out
 
 
@@ -92,6 +94,10 @@ def test_the_object_names_its_samples_method_and_inputs(integrated: dict, batche
     assert record["inputs"]["a"]["world_state_sha256"] == file_sha256(batches[0])
     saved = orjson.loads((outdir / "integration.json").read_bytes())
     assert [i["sample"] for i in saved["inputs"]] == ["a", "b"]
+    # the samples left out are named in the summary only, the unreadable one by its path
+    assert "left_out" not in record and saved["left_out"]["c"] == "run status step_limit"
+    [path] = [k for k in saved["left_out"] if k.endswith("world_state.json")]
+    assert saved["left_out"][path].startswith("unreadable record")
     for plot in saved["plots"].values():
         assert (outdir / plot).stat().st_size > 1000
 

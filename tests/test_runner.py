@@ -314,7 +314,7 @@ def test_a_refused_input_ends_at_once_with_its_reason_and_exit_3(tmp_path, capsy
         assert [e.tool for e in world.entries] == ["load_data"]  # no "(no tool call)" nudges
 
 
-def test_a_refusal_recorded_before_version_2_is_redone_not_kept(tmp_path):
+def test_a_refusal_recorded_before_version_2_is_redone_not_kept(tmp_path, capsys):
     """Before record version 2 too little memory for the input ended as input_refused too, which
     a rerun kept for good: such a record (unchained, as that version wrote it) is set aside and
     the input read again."""
@@ -338,6 +338,9 @@ def test_a_refusal_recorded_before_version_2_is_redone_not_kept(tmp_path):
     wanted = {k: old.get(k) for k in ("sample", "input_sha256", "policy", "seed", "brief")}
     assert plan(layout, wanted, 10)[0] == "new"
     assert len(list(layout.root.glob("previous/*/world_state.json"))) == 1
+    # the user is told why, and where the earlier analysis went
+    said = capsys.readouterr().err
+    assert "o: input refused before record version 2" in said and "/previous/" in said
     # the same refusal recorded by this version is the result, kept
     assert run_sample(config) == "input_refused"
     assert plan(layout, wanted, 10)[0] == "keep"

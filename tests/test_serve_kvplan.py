@@ -77,15 +77,18 @@ def test_linear_attention_layers_hold_a_fixed_state():
     q = shape("qwen3-next-80b-a3b-instruct")
     assert (q.count("full"), q.count("linear")) == (12, 36)  # full_attention_interval 4
     assert q.kv_bytes_per_token(2) == 12 * 2 * 256 * 2 * 2
-    # a layer's state: 32 x 128 x 128 fp32 + a conv window of 3 x 8,192 in bf16
-    assert q.linear_layer_state_bytes() == 32 * 128 * 128 * 4 + 3 * 8192 * 2
-    # vLLM's pages: a 1,056-token attention block (the smallest multiple of 16 whose page, at
+    # a layer's state: 32 x 128 x 128 in the model's bf16 on a GPU (its config names no
+    # mamba_ssm_dtype), float32 on the CPU, + a conv window of 3 x 8,192 in bf16
+    assert q.linear_layer_state_bytes() == 32 * 128 * 128 * 2 + 3 * 8192 * 2
+    assert q.linear_layer_state_bytes(on_cpu=True) == 32 * 128 * 128 * 4 + 3 * 8192 * 2
+    # vLLM's pages: a 544-token attention block (the smallest multiple of 16 whose page, at
     # 2,048 B a token and layer, holds one layer's state) for each of the 12 full layers, one
     # page per linear layer's state; the length only adds whole blocks
-    page = 1056 * 2048
+    page = 544 * 2048
+    assert q.hybrid_layout(2, 1, 0, 0, on_cpu=False) == (544, 12, 36)
     assert q.sequence_bytes(1, 2) == page * (12 + 36)
-    assert q.sequence_bytes(1056, 2) == q.sequence_bytes(1, 2)
-    assert q.sequence_bytes(8192, 2) - q.sequence_bytes(4096, 2) == page * 12 * (8 - 4)
+    assert q.sequence_bytes(544, 2) == q.sequence_bytes(1, 2)
+    assert q.sequence_bytes(8192, 2) - q.sequence_bytes(4096, 2) == page * 12 * (16 - 8)
 
 
 def test_vllm_keeps_several_linear_states_per_sequence():

@@ -38,6 +38,7 @@ def exposition(queries: float, hits: float, drafts: float, accepted: float, ttft
     counter("spec_decode_num_draft_tokens", 2 * drafts)
     counter("spec_decode_num_accepted_tokens", accepted)
     counter("num_preemptions", 3)
+    counter("generation_tokens", drafts)
     counter("request_success", len(ttfts))
     per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "p", [*labels, "position"],
                       registry=registry)  # fmt: skip
@@ -108,6 +109,7 @@ def test_underdelivering_layers_get_a_verdict(tmp_path):
     assert shard.warm_hit_rate == pytest.approx(0.9)  # 9,000 of 10,000 after the first interval
     assert shard.figures["prefix_cache_hit_rate"] == pytest.approx(0.5)  # both servers, in all
     assert shard.figures["preemptions"] == 6  # 3 per server
+    assert shard.figures["generation_tokens_per_s"] == pytest.approx(400 / 60)  # 30 s per server
     words = " ".join(perf.verdicts)
     assert "MTP drafts were accepted 30%" in words and "preemptions" in words
     assert "prefix cache served" not in words  # 90% after warm-up

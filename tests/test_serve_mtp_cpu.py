@@ -29,8 +29,9 @@ def test_the_cpu_drafts_only_when_asked_and_never_beside_the_hybrid_prefix_cache
     assert auto.chosen("--speculative-config") is None
     off = next(f for f in auto.flags if f.name == "--speculative-config")
     assert "1 MTP head(s)" in off.reason and "off unless asked" in off.reason
-    with pytest.raises(ValueError, match="needs prefix_caching: false"):
-        select_flags(gpus.cpu(1), config, MTP)
+    for method in ("mtp", "ngram"):
+        with pytest.raises(ValueError, match=f"speculative: {method} on the CPU needs prefix_"):
+            select_flags(gpus.cpu(1), config, {**MTP, "speculative": method})
     asked = select_flags(gpus.cpu(1), config, {**MTP, "prefix_caching": False})
     assert asked.chosen("--speculative-config").value == (
         '{"method":"mtp","num_speculative_tokens":2}'  # the catalogue's recipe

@@ -70,10 +70,7 @@ def finished_inputs(world_states: list[Path]) -> tuple[list[InputRecord], dict[s
     found, skipped = [], {}
     for path in world_states:
         layout = SampleLayout(path.parent)
-        if not path.is_file():
-            skipped[str(path)] = "no such file"
-            continue
-        try:
+        try:  # `main` refused paths that name no file: an OSError is a read gone wrong
             meta = orjson.loads(path.read_bytes())["meta"]
         except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as e:
             skipped[str(path)] = f"unreadable record ({type(e).__name__})"
@@ -290,9 +287,10 @@ def integrate(
         "object": OBJECT,
         "plots": PLOTS,
     }
-    # h5ad keeps no lists of mappings: the inputs by sample there
+    # h5ad keeps no lists of mappings: the inputs by sample there; left_out stays in the summary
+    # (an unreadable record is keyed by its path, and h5ad turns a key's slashes into groups)
     adata.uns["integration"] = {
-        **{k: v for k, v in summary.items() if k not in ("inputs", "plots")},
+        **{k: v for k, v in summary.items() if k not in ("inputs", "plots", "left_out")},
         "inputs": {
             r.sample: {k: v for k, v in asdict(r).items() if k != "sample"} for r in records
         },

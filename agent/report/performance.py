@@ -88,7 +88,8 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def load_shard(path: Path, rows: list[dict[str, Any]]) -> Shard:
-    span = rows[-1]["time"] - rows[0]["time"] if len(rows) > 1 else None
+    # the seconds its servers ran, not the gaps between them (a retry, or another workflow run's)
+    span = sum(s[-1]["time"] - s[0]["time"] for s in metrics.servers(rows).values()) or None
     return Shard(
         metrics.shard_of(path),
         path,
@@ -104,10 +105,11 @@ def servers_used(
     samples: list[Sample], files: dict[str, list[dict[str, Any]]]
 ) -> set[tuple[str, str]]:
     """(shard, started) of each server that served a step of ``samples``, the runs that asked a
-    model: the server a record names (``meta.server.started_at``) and, for its steps from before
-    that server started (a run resumed on a retried server), the newest server of the same shard
-    started before each step. A record that names no server found in ``files`` (one made before
-    records named it) counts as served by the newest server of each shard no record names."""
+    model: the server a record names (``meta.server.started_at``) and, for each of its steps, the
+    newest server of the same shard started before the step (a run resumed on a retried server
+    made its earlier steps on the server before). A record that names no server found in
+    ``files`` (one made before records named it) counts as served by the newest server of each
+    shard no record names."""
     starts = {
         shard: sorted((metrics.start_time(started), started) for started in metrics.servers(rows))
         for shard, rows in files.items()

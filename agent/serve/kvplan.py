@@ -16,7 +16,7 @@ DeltaNet) layer ``2 + k`` states with prefix caching on (``mamba_cache_mode`` "a
 state, the last block-aligned one, one per drafted token) and ``1 + k`` without; an MTP drafter
 its layers' full-attention KV and weights; a separate drafter model (``Drafter``) its weights and
 its own KV per token, out of the same GPU memory. A hybrid (linear + full attention) is laid out
-in vLLM's pages (``ModelShape._hybrid_sequence_bytes``: one page size, layers grouped by kind and
+in vLLM's pages (``ModelShape.hybrid_layout``: one page size, layers grouped by kind and
 padded); ``tests/test_families_vllm.py`` and ``tests/test_serve_mtp_cpu.py`` check the plan against
 the capacity vLLM reports at start-up within ``VLLM_TOLERANCE``.
 
@@ -135,7 +135,7 @@ class KVPlan:
             "linear_states": self.linear_states,
             "sliding_kv_bytes": self.sliding_kv_bytes,
             "draft_tokens": self.speculative_tokens,
-            "block_align": block_align(self.gpu),
+            "on_cpu": self.gpu.is_cpu,
         }
 
     def full_bytes_per_token(self) -> float:
@@ -223,10 +223,29 @@ class KVPlan:
             )
         if s.linear is not None:
             text += (
-                f" + {self.linear_states} x {s.linear_state_bytes(self.speculative_tokens) / 2**20:,.1f} MiB of"
+                f" + {self.linear_states} x {self.linear_state_mib():,.1f} MiB of"
                 f" linear-attention state per sequence ({self.linear_states_reason()})"
             )
+            if s.count("full") + self.mtp_layers:
+                text += f", {self.pages()}"
         return f"{text}; {self.per_token_formula()}"
+
+    def linear_state_mib(self) -> float:
+        """One sequence's state over the linear layers, as this platform keeps it."""
+        return self.shape.linear_state_bytes(self.speculative_tokens, self.gpu.is_cpu) / 2**20
+
+    def pages(self) -> str:
+        """How vLLM pages a hybrid's cache (``ModelShape.hybrid_layout``), in words."""
+        s = self.shape
+        block, full, linear = s.hybrid_layout(
+            self.kv_bytes, self.tp, self.mtp_layers, self.speculative_tokens, self.gpu.is_cpu
+        )
+        padded = s.count("linear") != linear or s.count("full") + self.mtp_layers != full
+        return f"in vLLM's pages: {block:,}-token attention blocks, each page one layer's state" + (
+            f"; layers grouped as {full} attention and {linear} linear, padding included"
+            if padded
+            else ""
+        )
 
     def drafter_summary(self) -> str | None:
         """The drafter's share of the GPU memory and why, or None without a drafter."""
@@ -288,7 +307,7 @@ class KVPlan:
             "kv_formula": self.per_token_formula(),
             "tensor_parallel": self.tp,
             "linear_state_bytes_per_seq": self.linear_states
-            * self.shape.linear_state_bytes(self.speculative_tokens),
+            * self.shape.linear_state_bytes(self.speculative_tokens, self.gpu.is_cpu),
             "linear_states_per_seq": self.linear_states,
             "mtp_kv_layers": self.mtp_layers,
             "sliding_in_flight_tokens": self.in_flight,
@@ -347,7 +366,7 @@ class KVPlan:
             rows.append(
                 (
                     "linear state",
-                    f"{self.linear_states} x {s.linear_state_bytes(self.speculative_tokens) / 2**20:,.1f} MiB per"
+                    f"{self.linear_states} x {self.linear_state_mib():,.1f} MiB per"
                     f" sequence, any length ({self.linear_states_reason()})",
                 )
             )
@@ -458,12 +477,6 @@ def in_flight_tokens(gpu: GPU) -> int | None:
     return 2 * batched
 
 
-def block_align(gpu: GPU) -> int:
-    """The block size vLLM 0.32 grows a hybrid model's attention blocks in: its default block
-    (128 tokens on the CPU, 16 on GPUs)."""
-    return 128 if gpu.is_cpu else 16
-
-
 def plan_capacity(
     shape: ModelShape,
     gpu: GPU,
@@ -530,7 +543,8 @@ def plan_capacity(
         "linear_states": (2 if prefix_caching else 1) + speculative_tokens,
         "sliding_kv_bytes": sliding_bytes,
     }
-    pages = {"draft_tokens": speculative_tokens, "block_align": block_align(gpu)}  # a hybrid's
+    # what sizes a hybrid's pages: the conv window holds the drafts, blocks grow in platform steps
+    pages = {"draft_tokens": speculative_tokens, "on_cpu": gpu.is_cpu}
 
     def seq_bytes(tokens: int) -> float:
         return shape.sequence_bytes(

@@ -225,7 +225,8 @@ def servers(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """The rows of each server (by its ``started``), in the order the servers first wrote."""
     by_server: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        by_server.setdefault(row.get("started"), []).append(row)
+        if isinstance(row.get("started"), str):  # a row of no known server is no server's
+            by_server.setdefault(row["started"], []).append(row)
     return by_server
 
 

@@ -57,6 +57,7 @@ class LinearAttention:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    ssm_fp32: bool = False  # the config asks vLLM for a float32 recurrent state (mamba_ssm_dtype)
 
 
 @dataclass(frozen=True)
@@ -140,21 +141,24 @@ class ModelShape:
             kv_bytes, "full", tp
         ) + self.count("sliding") * self.kv_bytes_per_token_per_layer(sliding, "sliding", tp)
 
-    def linear_layer_state_bytes(self, draft_tokens: int = 0) -> float:
+    def linear_layer_state_bytes(self, draft_tokens: int = 0, on_cpu: bool = False) -> float:
         """One linear-attention layer's recurrent + conv state for one sequence; the conv window
-        holds the drafted tokens too."""
+        holds the drafted tokens too. vLLM keeps the recurrent state in the config's
+        ``mamba_ssm_dtype`` (Qwen3.5/3.6: float32), else in the model's dtype on a GPU; vLLM-CPU
+        keeps it in float32."""
         lin = self.linear
         if lin is None:
             return 0.0
-        ssm = lin.num_value_heads * lin.key_head_dim * lin.value_head_dim * 4  # fp32 state in vLLM
+        ssm_bytes = 4 if lin.ssm_fp32 or on_cpu else self.dtype_bytes
+        ssm = lin.num_value_heads * lin.key_head_dim * lin.value_head_dim * ssm_bytes
         conv_dim = (
             2 * lin.num_key_heads * lin.key_head_dim + lin.num_value_heads * lin.value_head_dim
         )
         return ssm + (lin.conv_kernel - 1 + draft_tokens) * conv_dim * self.dtype_bytes
 
-    def linear_state_bytes(self, draft_tokens: int = 0) -> float:
+    def linear_state_bytes(self, draft_tokens: int = 0, on_cpu: bool = False) -> float:
         """Fixed recurrent + conv state per sequence over all linear-attention layers."""
-        return self.count("linear") * self.linear_layer_state_bytes(draft_tokens)
+        return self.count("linear") * self.linear_layer_state_bytes(draft_tokens, on_cpu)
 
     def sliding_tokens(self, tokens: int, in_flight: int | None = 0) -> int:
         """Tokens a sliding-window layer holds for a sequence of ``tokens``: its window, plus the
@@ -178,18 +182,19 @@ class ModelShape:
         mtp_layers: int = 0,
         sliding_kv_bytes: float | None = None,
         draft_tokens: int = 0,
-        block_align: int = 16,
+        on_cpu: bool = False,
     ) -> float:
         """Cache bytes one sequence of ``tokens`` tokens holds: sliding layers up to their window
         (``sliding_tokens``), ``linear_states`` copies of the linear-attention state (vLLM keeps
         several with prefix caching and speculative decoding), and ``mtp_layers`` MTP layers that
         keep full-attention KV when they draft; ``sliding_kv_bytes`` as in ``kv_bytes_per_token``;
-        ``draft_tokens`` and ``block_align`` (the platform's block size) shape a hybrid's pages
-        (``_hybrid_sequence_bytes``)."""
+        ``draft_tokens`` widen each linear state's conv window; a hybrid takes vLLM's pages
+        (``hybrid_layout``), which differ on the CPU (``on_cpu``). No model mixes linear and
+        sliding layers, so a hybrid's layers are linear and full."""
         if self.linear is not None and self.count("full") + mtp_layers:
-            return self._hybrid_sequence_bytes(
-                tokens, kv_bytes, tp, linear_states, mtp_layers, draft_tokens, block_align
-            )
+            block, full, linear = self.hybrid_layout(kv_bytes, tp, mtp_layers, draft_tokens, on_cpu)
+            page = block * self.kv_bytes_per_token_per_layer(kv_bytes, "full", tp)
+            return page * (full * math.ceil(tokens / block) + linear * linear_states)
         full = (self.count("full") + mtp_layers) * self.kv_bytes_per_token_per_layer(
             kv_bytes, "full", tp
         )
@@ -199,31 +204,26 @@ class ModelShape:
         return (
             full * tokens
             + sliding * self.sliding_tokens(tokens, in_flight)
-            + linear_states * self.linear_state_bytes()
+            + linear_states * self.linear_state_bytes(draft_tokens, on_cpu)
         )
 
-    def _hybrid_sequence_bytes(
-        self,
-        tokens: int,
-        kv_bytes: float,
-        tp: int,
-        linear_states: int,
-        mtp_layers: int,
-        draft_tokens: int,
-        block_align: int,
-    ) -> float:
-        """A linear + full attention model as vLLM 0.32 lays out its cache: one page size for
-        both kinds, an attention block stretched (in steps of ``block_align`` tokens) until its
-        page holds one layer's linear state, which is padded to it; layers grouped by kind into
-        groups of one size (the smaller kind's count, or the larger's when within 1.5x), the last
-        group of a kind filled up with unused layers. Attention takes whole blocks."""
+    def hybrid_layout(
+        self, kv_bytes: float, tp: int, mtp_layers: int, draft_tokens: int, on_cpu: bool
+    ) -> tuple[int, int, int]:
+        """A linear + full attention model's cache as vLLM 0.32 lays it out: (tokens of an
+        attention block, full and linear layers counted with their padding). One page size for
+        both kinds: the block grows from the platform's (16 tokens on a GPU, 128 on the CPU) in
+        steps of it until its page holds one layer's linear state, which is padded to the page.
+        Layers go by kind into groups of one size (the smaller kind's count, or the larger's when
+        within 1.5x), the last group of a kind filled up with unused layers."""
+        step = 128 if on_cpu else 16
         per_token = self.kv_bytes_per_token_per_layer(kv_bytes, "full", tp)
-        state = self.linear_layer_state_bytes(draft_tokens)
-        block = block_align * math.ceil(state / (block_align * per_token))
+        state = self.linear_layer_state_bytes(draft_tokens, on_cpu)
+        block = step * math.ceil(state / (step * per_token))
         counts = (self.count("full") + mtp_layers, self.count("linear"))
         size = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
         full, linear = (math.ceil(n / size) * size for n in counts)
-        return block * per_token * (full * math.ceil(tokens / block) + linear * linear_states)
+        return block, full, linear
 
     def mtp_params(self) -> int:
         """Weights of the declared MTP layers (each a full decoder layer and a 2h -> h projection),
@@ -429,6 +429,7 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
             key_head_dim=_int(cfg, "linear_key_head_dim", source),
             value_head_dim=_int(cfg, "linear_value_head_dim", source),
             conv_kernel=_int(cfg, "linear_conv_kernel_dim", source, default=4),
+            ssm_fp32=cfg.get("mamba_ssm_dtype") in ("float32", "fp32"),
         )
     experts = (
         cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0
