@@ -205,6 +205,15 @@ def test_workflow_builds_the_cohort_object_only_when_on(
     assert summary["method"] == "none" and len(summary["inputs"]) == 2
     adata = ad.read_h5ad(workflow_dir.path / "results" / "cohort" / "adata.h5ad", backed="r")
     assert set(adata.obs["path"]) == {"inputs.h5ad"}  # the sheet's columns
+    adata.file.close()
+    # a cohort of one sample: the job succeeds, says so, and leaves no object behind
+    workflow_dir.write_sheet([{"sample": batches[0].parent.name, "path": "inputs.h5ad"}])
+    again = ("--allowed-rules", "integrate_cohort", "--forcerun", "integrate_cohort")
+    out = workflow_dir.snakemake(*again, *on, "--cores", "2", target)
+    assert out.returncode == 0, out.stdout[-3000:] + (log.read_text() if log.is_file() else "")
+    summary = orjson.loads((workflow_dir.path / target).read_bytes())
+    assert not summary["integrated"] and "1 finished sample (needs 2)" in summary["statement"]
+    assert not (workflow_dir.path / "results" / "cohort" / "adata.h5ad").exists()
 
 
 def test_workflow_refuses_an_unknown_method_naming_the_key(workflow_dir: WorkflowDir):
