@@ -6,11 +6,14 @@
 - ``check_hard_links``: refuse a folder whose file system cannot keep linked copies.
 - ``RecordWriter``: the world state's append-and-rename save, published under a name and its
   hard-linked copies.
+- ``read_appended_rows``: a JSON-lines file appended row by row (a sample's or a server's metrics),
+  whose last line a kill may have cut.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -78,6 +81,18 @@ def atomic_write_json(path: str | Path, doc: Any, indent: bool = False) -> None:
     """``doc`` as JSON (numpy values allowed), written atomically; indented for people to read."""
     opts = orjson.OPT_SERIALIZE_NUMPY | (orjson.OPT_INDENT_2 if indent else 0)
     atomic_write(path, orjson.dumps(doc, option=opts) + (b"\n" if indent else b""))
+
+
+def read_appended_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file written by appending; a line cut off by a kill ends the list
+    instead of failing it. Python's parser, which reads NaN as json.dumps writes it."""
+    rows = []
+    for line in path.read_bytes().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
 
 
 def h5ad_size(adata: Any) -> int:

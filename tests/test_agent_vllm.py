@@ -11,6 +11,7 @@ from pydantic import Field
 
 from agent.config import RunConfig
 from agent.context import ContextManager
+from agent.durable import read_appended_rows
 from agent.layout import SampleLayout
 from agent.loop import run_loop
 from agent.policies.base import Decision, PromptTooLong, ToolCall
@@ -18,7 +19,7 @@ from agent.policies.llm import LLMPolicy
 from agent.registry import ToolRegistry, tool
 from agent.report import build_report
 from agent.runner import run_sample
-from agent.serve.metrics import metrics_path, read_rows
+from agent.serve.metrics import metrics_path
 from agent.world_state import WorldState
 from tests.fixtures_vllm import METRICS_INTERVAL_S
 
@@ -54,10 +55,11 @@ def test_llm_run_with_the_real_tools(vllm_server, demo_run, tmp_path):
     # the server's own figures, sampled by its launcher, in the report's performance section
     shard, ended = metrics_path(vllm_server.endpoint_file), time.time()
     deadline = time.monotonic() + 10 * METRICS_INTERVAL_S
-    while read_rows(shard)[-1]["time"] < ended and time.monotonic() < deadline:
+    while read_appended_rows(shard)[-1]["time"] < ended and time.monotonic() < deadline:
         time.sleep(0.5)  # until a row after the run's last request
-    assert read_rows(shard)[-1]["prefix_cache_hits"] > 0
-    assert world.meta["server"]["started_at"] == read_rows(shard)[0]["started"]  # its server
+    rows = read_appended_rows(shard)
+    assert rows[-1]["prefix_cache_hits"] > 0
+    assert world.meta["server"]["started_at"] == rows[0]["started"]  # its server
     build_report([outdir / "world_state.json"], [], tmp_path / "report", server_metrics=[shard])
     page = (tmp_path / "report" / "index.html").read_text()
     assert 'id="performance-shards"' in page and "Model servers over the run" in page

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from agent.durable import read_appended_rows
 from agent.report import build_report
 from agent.report.collect import Sample
 from agent.report.performance import NO_SERVER, build, view
@@ -169,7 +170,7 @@ def test_sampler_and_status_against_the_running_server(vllm_server, tmp_path):
         model=vllm_server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
     sampler.close()
-    first, last = metrics.read_rows(path)
+    first, last = read_appended_rows(path)
     assert last["request_success"] >= first["request_success"] + 1
     assert (
         last["time_to_first_token_seconds"]["count"] > first["time_to_first_token_seconds"]["count"]

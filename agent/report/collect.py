@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 import pandas as pd
 
+from agent.durable import read_appended_rows
 from agent.layout import SampleLayout
 from agent.report.truth import read_truth, score
 from agent.world_state import Entry, WorldState
@@ -103,17 +104,6 @@ class Sample:
         return self.world.last_ok(tool) if self.world else None
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl rows; a line cut off by a crash ends the list instead of failing it."""
-    rows = []
-    for line in path.read_bytes().splitlines():
-        try:
-            rows.append(orjson.loads(line))
-        except orjson.JSONDecodeError:
-            break
-    return rows
-
-
 def read_replay(path: Path) -> dict[str, Any]:
     """replay.json as `agent replay` writes it, or ValueError saying what it lacks."""
     doc = orjson.loads(path.read_bytes())
@@ -187,7 +177,9 @@ def load_sample(
 
     layout = SampleLayout(folder)
     if layout.metrics.is_file():
-        sample.metrics = attempt(str(layout.metrics), lambda: read_metrics(layout.metrics)) or []
+        sample.metrics = (
+            attempt(str(layout.metrics), lambda: read_appended_rows(layout.metrics)) or []
+        )
     replay_path = replay_path or layout.replay
     if replay_path.is_file():
         sample.replay_path = replay_path

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from agent.durable import read_appended_rows
 from agent.report.collect import Sample
 from agent.serve import metrics
 
@@ -334,7 +335,7 @@ def view(perf: Performance) -> dict[str, Any]:
 
 def build(samples: list[Sample], server_metrics: list[Path]) -> Performance:
     """The section for ``samples``, with the servers of ``server_metrics`` that served them."""
-    files = {p: metrics.read_rows(p) for p in server_metrics if p.is_file()}
+    files = {p: read_appended_rows(p) for p in server_metrics if p.is_file()}
     asked = [(s, f) for s in samples if (f := sample_figures(s)) is not None]
     used = servers_used([s for s, _ in asked], {metrics.shard_of(p): r for p, r in files.items()})
     shards = [

@@ -119,9 +119,9 @@ class KVPlan:
     def sequence_bytes(self, tokens: int) -> float:
         """Cache bytes one sequence of ``tokens`` holds, as vLLM reserves them (the drafter's
         own KV included)."""
-        return self.shape.sequence_bytes(
-            tokens, self.kv_bytes, self.tp, mtp_layers=self.mtp_layers, **self.held()
-        ) + self.drafter_sequence_bytes(tokens)
+        return _sequence_bytes(
+            self.shape, self.drafter, tokens, self.kv_bytes, self.tp, self.mtp_layers, self.held()
+        )
 
     def drafter_sequence_bytes(self, tokens: int) -> float:
         return drafter_sequence_bytes(
@@ -408,6 +408,22 @@ def _full_bytes_per_token(shape: ModelShape, kv_bytes: float, tp: int) -> float:
     return shape.count("full") * shape.kv_bytes_per_token_per_layer(kv_bytes, "full", tp)
 
 
+def _sequence_bytes(
+    shape: ModelShape,
+    drafter: Drafter | None,
+    tokens: int,
+    kv_bytes: float,
+    tp: int,
+    mtp_layers: int,
+    held: dict[str, Any],
+) -> float:
+    """The model's and its drafter's cache for one sequence: the sum ``KVPlan.sequence_bytes``
+    reports and ``plan_capacity`` searches with before the plan exists."""
+    return shape.sequence_bytes(
+        tokens, kv_bytes, tp, mtp_layers=mtp_layers, **held
+    ) + drafter_sequence_bytes(drafter, shape, tokens, kv_bytes, tp, **held)
+
+
 def drafter_sequence_bytes(
     drafter: Drafter | None,
     target: ModelShape,
@@ -547,9 +563,7 @@ def plan_capacity(
     pages = {"draft_tokens": speculative_tokens, "on_cpu": gpu.is_cpu}
 
     def seq_bytes(tokens: int) -> float:
-        return shape.sequence_bytes(
-            tokens, kbytes, tp, mtp_layers=mtp_layers, **held, **pages
-        ) + drafter_sequence_bytes(drafter, shape, tokens, kbytes, tp, **held, **pages)
+        return _sequence_bytes(shape, drafter, tokens, kbytes, tp, mtp_layers, {**held, **pages})
 
     def fits(tokens: int, seqs: int) -> bool:
         return seqs * seq_bytes(tokens) <= budget_bytes

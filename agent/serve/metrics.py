@@ -236,17 +236,6 @@ def start_time(started: str) -> float:
     return dt.datetime.fromisoformat(started).timestamp()
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """A metrics file's rows; a line cut off by a kill ends the list."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
-
-
 class Sampler:
     """Appends a row (``time``, the server's ``started``, the watched series) to ``path`` at
     start, every ``interval_s`` while the server lives, and at ``close``; a failed scrape is

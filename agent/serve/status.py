@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import say
+from agent.durable import read_appended_rows
 from agent.endpoint import EndpointError, probe, read_info
 from agent.serve import metrics
 
@@ -65,7 +66,7 @@ def live(info: dict[str, Any], endpoint: Path) -> tuple[dict[str, Any], dict[str
     now = metrics.scrape(info["url"])
     rows = []
     if (path := metrics.metrics_path(endpoint)).is_file():
-        rows = [r for r in metrics.read_rows(path) if r.get("started") == info.get("started_at")]
+        rows = [r for r in read_appended_rows(path) if r.get("started") == info.get("started_at")]
     if rows and (seconds := time.time() - rows[-1]["time"]) > 0:
         rates = metrics.figures(metrics.difference(now, rows[-1]), seconds)
         shown = {
