@@ -28,6 +28,12 @@ SUBCOMMANDS = {
         "agent.cohort.integrate",
         "integrate the finished samples into one cohort object",
     ),
+    "composition": (
+        "agent.cohort.composition",
+        "each sample's share of every label, and a test of conditions",
+    ),
+    "de": ("agent.cohort.de", "differential expression between conditions per label (PyDESeq2)"),
+    "eval": ("agent.eval.cli", "score a served model's decisions and speed before a cohort"),
 }
 
 

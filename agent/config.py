@@ -8,6 +8,7 @@ description as its help); replay, the benchmarks and the tests build the same ob
 from __future__ import annotations
 
 import argparse
+import os
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -15,6 +16,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent.layout import SampleLayout
+
+NAME_MAX = 255  # bytes of one file or folder name (Linux's file systems, NFS, Lustre)
 
 
 class RunConfig(BaseModel):
@@ -43,7 +46,23 @@ class RunConfig(BaseModel):
         None,
         description="CellTypist model file (.pkl, e.g. from celltypist.train) whose labels become "
         "the cell types, voted per Leiden cluster (annotate_celltypist; default: marker sets "
-        "only); its sha256 is one of the run's settings",
+        "only); its sha256 is one of the run's settings. A model is a pickle, which can run code "
+        "when loaded: give only a model you trust. No other file is unpickled; this one is read "
+        "through an allow-list of a model's classes (another refused before it runs) and its "
+        "sha256 checked at every use",
+    )
+    raw_input: Path | None = Field(
+        None,
+        description="the sample's unfiltered droplet matrix (10x mtx folder, .h5 or .h5ad, e.g. "
+        "Cell Ranger's raw_feature_bc_matrix) beside a filtered input: remove_ambient takes the "
+        "soup of ambient RNA from its empty droplets (SoupX); its checksum is one of the run's "
+        "settings",
+    )
+    doublets: Literal["remove", "flag"] = Field(
+        "remove",
+        description="what becomes of the cells detect_doublets predicts to be doublets: removed "
+        "(remove_doublets), or flagged and kept (obs['predicted_doublet']), left out of the "
+        "markers and of the labels' evidence; one of the run's settings",
     )
     policy: Literal["reference", "llm", "replay"] = Field(
         "reference",
@@ -117,6 +136,20 @@ class RunConfig(BaseModel):
     )
 
     @model_validator(mode="after")
+    def _name_lengths(self) -> RunConfig:
+        """A name longer than file systems allow is refused as the mistake it is (a rerun
+        cannot resume what could never be written or read)."""
+        paths = (("--input", self.input), ("--outdir", self.outdir))
+        for flag, path in (*paths, ("--celltypist-model", self.celltypist_model)):
+            for part in path.parts if path is not None else ():
+                if len(os.fsencode(part)) > NAME_MAX:
+                    raise ValueError(
+                        f"{flag} {path}: the name {part[:24]}... is {len(os.fsencode(part))} "
+                        f"bytes long; file systems allow {NAME_MAX}"
+                    )
+        return self
+
+    @model_validator(mode="after")
     def _policy_inputs(self) -> RunConfig:
         if self.policy == "replay" and self.world_state is None:
             raise ValueError(
@@ -126,8 +159,19 @@ class RunConfig(BaseModel):
             raise ValueError(
                 "--policy llm needs --endpoint-file FILE, or --base-url URL and --model NAME"
             )
+        if self.raw_input is not None and not self.raw_input.exists():
+            raise ValueError(f"--raw-input {self.raw_input}: no such file or folder")
         if self.celltypist_model is not None and not self.celltypist_model.is_file():
             raise ValueError(f"--celltypist-model {self.celltypist_model}: no such file")
+        if self.celltypist_model is not None:  # a non-model refused now, not at annotation
+            from agent.celltypist_model import ModelRefused, read_model
+
+            try:
+                read_model(self.celltypist_model)
+            except ModelRefused as e:
+                raise ValueError(f"--celltypist-model {e}") from None
+            except OSError as e:
+                raise ValueError(f"--celltypist-model {self.celltypist_model}: {e}") from None
         return self
 
     @property

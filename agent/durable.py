@@ -7,7 +7,7 @@
 - ``RecordWriter``: the world state's append-and-rename save, published under a name and its
   hard-linked copies.
 - ``read_appended_rows``: a JSON-lines file appended row by row (a sample's or a server's metrics),
-  whose last line a kill may have cut.
+  whose lines a kill may have cut, also before rows appended later.
 """
 
 from __future__ import annotations
@@ -84,15 +84,31 @@ def atomic_write_json(path: str | Path, doc: Any, indent: bool = False) -> None:
 
 
 def read_appended_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSON-lines file written by appending; a line cut off by a kill ends the list
-    instead of failing it. Python's parser, which reads NaN as json.dumps writes it."""
+    """The rows of a JSON-lines file written by appending: JSON objects with a numeric ``time``
+    (both metrics files stamp each row with it). A line a kill cut off is skipped and reading
+    goes on: a resumed run or a restarted server appends after it, its first row on the cut
+    line's end when the kill left no newline, and found there. A line that is no such row (a
+    stray ``null``, a row without ``time``) is skipped too. Python's parser, which reads NaN as
+    json.dumps writes it."""
     rows = []
     for line in path.read_bytes().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+        row = _last_whole_row(line)
+        if isinstance(row, dict) and isinstance(row.get("time"), int | float):
+            rows.append(row)
     return rows
+
+
+def _last_whole_row(line: bytes) -> Any:
+    """The line's JSON value; for a line cut off, the row appended on its end: the next place
+    the line's own start (``{"time":``) recurs, which no value nested in a row begins with."""
+    head = line[: line.find(b":") + 1] or line
+    start = 0
+    while start != -1:
+        try:
+            return json.loads(line[start:])
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            start = line.find(head, start + 1)
+    return None
 
 
 def h5ad_size(adata: Any) -> int:

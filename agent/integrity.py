@@ -111,21 +111,22 @@ def _seal(world: WorldState) -> list[Problem]:
 
 
 def _final(world: WorldState, folder: Path) -> list[Problem]:
-    """A finished record's final object: present, and the data of its finish step."""
-    if world.meta.get("status") != "finished":
+    """A finished (or partial) record's final object: present, and the data of its finish step."""
+    status = world.meta.get("status")
+    if status not in ("finished", "partial"):
         return []
     finish = world.last_ok("finish")
     if finish is None:
         return [
             Problem(
                 world.next_step,
-                f"the record says finished but has no successful finish: step {world.next_step} "
+                f"the record says {status} but has no successful finish: step {world.next_step} "
                 "(finish) is missing",
             )
         ]
     import anndata as ad
 
-    from agent.tools.session import DIGEST_VERSION, digest_adata
+    from agent.digest import DIGEST_VERSION, digest_adata
 
     path = SampleLayout(folder).final
     if not path.is_file():

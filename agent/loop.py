@@ -13,15 +13,24 @@ from typing import Any, TextIO
 import orjson
 
 from agent import signals
+from agent.checks import check
 from agent.context import ContextManager
 from agent.layout import SampleLayout
-from agent.policies.base import Decision, Policy, PolicyUnavailable, PromptTooLong, Timing
+from agent.policies.base import (
+    Decision,
+    Policy,
+    PolicyUnavailable,
+    PromptTooLong,
+    Timing,
+    ToolCall,
+)
 from agent.registry import Outcome, ToolRegistry
 from agent.world_state import Entry, WorldState
 
 NO_CALL = "(no tool call)"
 LOAD = "load_data"  # the tool that reads the input: while it has not succeeded, there are no data
 CALL_CELLS = "call_cells"  # decides whether the data hold cells at all (agent/tools/cells.py)
+FINISH = "finish"  # writes the final object; the run ends when it succeeds (agent/tools/finish.py)
 NUDGE = "Your last reply had no valid tool call. Call one of the tools; call finish when the analysis is done."
 
 
@@ -36,10 +45,11 @@ def run_loop(
     max_failures: int = 6,
     log: TextIO | None = None,
 ) -> str:
-    """Run until `finish` succeeds ("finished"), the step limit, or too many failures in a row
-    ("repeated_failures"; "input_refused" when no load_data succeeded). A reply without a tool
-    call after load_data failed, with none succeeded, gives up on the input: "input_refused" at
-    once, as nudging cannot make the input readable."""
+    """Run until `finish` succeeds ("finished", or "partial" where finish was told the analysis
+    cannot be completed; calls after it in its reply are refused), the step limit, or too many
+    failures in a row ("repeated_failures"; "input_refused" when no load_data succeeded). A reply
+    without a tool call after load_data failed, with none succeeded, gives up on the input:
+    "input_refused" at once, as nudging cannot make the input readable."""
     log = log or sys.stderr  # looked up per call: a caller may have swapped stderr since import
     defaults, schemas = registry.defaults(), registry.schemas()
     digest, failures, overflows = session.digest(), 0, 0
@@ -68,22 +78,16 @@ def run_loop(
             return "input_refused"
         context.observe(decision.usage)
         context.add_decision(decision)
-        outcomes = [
-            (c.id, registry.call(c.name, c.arguments, session)) for c in decision.calls
-        ] or [
-            (
-                None,
-                Outcome(
-                    NO_CALL,
-                    {},
-                    "error",
-                    None,
-                    f"reply had no tool call (finish_reason={decision.finish_reason})",
-                    0.0,
-                ),
-            )
-        ]
-        for call_id, outcome in outcomes:
+        outcomes: list[tuple[str | None, Outcome]] = []
+        ended: tuple[int, str] | None = None  # finish's step and the status it gave the run
+        for call in decision.calls or [None]:
+            if call is None:
+                reason = f"reply had no tool call (finish_reason={decision.finish_reason})"
+                outcome = Outcome(NO_CALL, {}, "error", None, reason, 0.0)
+            elif ended is not None:
+                outcome = after_finish(call, ended[0])
+            else:
+                outcome = registry.call(call.name, call.arguments, session)
             after = session.digest()
             entry = world.add(
                 Entry(
@@ -91,7 +95,7 @@ def run_loop(
                     step=world.next_step,
                     digest_before=digest,
                     digest_after=after,
-                    call_id=call_id,
+                    call_id=call and call.id,
                 )
             )
             digest = after
@@ -99,19 +103,33 @@ def run_loop(
                 entry.checkpoint = session.after_step(
                     entry.step, outcome.tool, registry.spec(outcome.tool)
                 )
+                if outcome.tool == FINISH:
+                    ended = (entry.step, (outcome.result or {}).get("status", "finished"))
             line = world.line(entry, defaults)  # the entry travels with its result
-            if call_id is None:
+            if call is None:
                 context.add_user(NUDGE, line)
             else:
-                context.add_result(call_id, outcome, line)
+                context.add_result(call.id, outcome, line)
             failures = 0 if outcome.ok else failures + 1
+            outcomes.append((entry.call_id, outcome))
         world.save_record(layout, step=True)
         _report(layout, log, world, decision, context, think, outcomes)
-        if any(o.ok and o.tool == "finish" for _, o in outcomes):
-            return "finished"
+        if ended is not None:
+            return ended[1]
         if failures >= max_failures:
             return "input_refused" if input_refusal(world) else "repeated_failures"
     return "step_limit"
+
+
+def after_finish(call: ToolCall, finish_step: int) -> Outcome:
+    """A call of the reply that came after a successful finish: refused, not run, so the object
+    written and the record's final numbers stay those of finish."""
+    said = (
+        f"{call.name} refused: finish succeeded at step {finish_step} in this reply and the "
+        "analysis ended there; nothing runs after finish"
+    )
+    found = check("after_finish", "refused", said, finish_step=finish_step)
+    return Outcome(call.name, {}, "error", {"checks": [found]}, said, 0.0, call.arguments)
 
 
 def input_refusal(world: WorldState) -> str | None:

@@ -19,18 +19,30 @@ import errno
 import functools
 import inspect
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
 
 import docstring_parser
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic.fields import FieldInfo
 
+from agent import signals
+from agent.checks import check
+
 
 class ToolError(Exception):
     """A failure the model should read and can act on (wrong order, bad input, bad value)."""
+
+
+class Refusal(ToolError):
+    """A decision a check refused (agent/checks.py): the model reads the message; the error
+    entry keeps the check in its result, so the record says what was refused and why."""
+
+    def __init__(self, check: dict[str, Any]):
+        super().__init__(check["message"])
+        self.check = check
 
 
 class InfrastructureError(Exception):
@@ -63,8 +75,19 @@ def infrastructure_fault(e: BaseException) -> BaseException | None:
 
 Kind = Literal[
     "io", "cell_calling", "qc", "cell_filter", "gene_filter", "doublets", "preprocess", "embed",
-    "cluster", "markers", "annotate", "plot", "finish",
+    "cluster", "ambient", "markers", "annotate", "plot", "finish",
 ]  # fmt: skip
+
+# The stages of a complete analysis, in order. A tool declares the stage it reaches (``@tool(...,
+# stage=...)``); ``finish`` succeeds only when every stage was reached on the current data.
+Stage = Literal[
+    "cells", "qc", "cell_filter", "doublets", "normalised", "hvg", "pca", "neighbours",
+    "clusters", "markers", "labels",
+]  # fmt: skip
+STAGES: tuple[Stage, ...] = get_args(Stage)
+# The obs column a stage must be written to: the final object's readers (the report, cohort
+# integration, agent compare) take the labels from there.
+STAGE_COLUMNS: dict[Stage, str] = {"labels": "cell_type"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,16 @@ class ToolSpec:
     needs: tuple[str, ...] | Callable[[dict[str, Any]], tuple[str, ...]] = ()
     expensive: bool = False  # seconds to minutes to recompute: worth a checkpoint of its own
     mutates: bool = True  # changes the data; False: never a checkpoint, not an analysis choice
+    stage: Stage | None = None  # the stage of an analysis a success reaches (STAGES)
+    # The first stage a success makes stale, with every stage after it: the tool changed the
+    # cells, genes or values those were computed from, so they must be reached again.
+    resets: Stage | None = None
+    # The parameter naming the clustering (obs column) the tool writes (stage "clusters") or
+    # reads (a later stage): such a stage counts only for the current clustering.
+    clustering: str | None = None
+    # Evidence thresholds among the parameters, and the direction that loosens each ("lower":
+    # a minimum the evidence must reach): set looser than the default, the result warns.
+    loosens: Mapping[str, Literal["lower", "higher"]] = field(default_factory=dict)
 
     def needs_for(self, params: dict[str, Any]) -> tuple[str, ...]:
         return self.needs(params) if callable(self.needs) else self.needs
@@ -87,26 +120,76 @@ def tool(
     needs: tuple[str, ...] | Callable[[dict[str, Any]], tuple[str, ...]] = (),
     expensive: bool = False,
     mutates: bool = True,
+    stage: Stage | None = None,
+    resets: Stage | None = None,
+    clustering: str | None = None,
+    loosens: Mapping[str, Literal["lower", "higher"]] | None = None,
 ) -> Callable[[Callable[..., dict[str, Any]]], Callable[..., dict[str, Any]]]:
     """Declare a function a tool. Whoever calls it (the loop, a resume re-running recorded steps,
     a replay, a test), it first checks ``needs`` against ``session.done`` and, when it returns,
-    adds its own name there, so prerequisites always see the truth."""
-    spec = ToolSpec(kind, needs, expensive, mutates)
+    adds its own name there and tells the session the stage it reached or made stale
+    (``session.reached``), so prerequisites and ``finish`` always see the truth."""
+    spec = ToolSpec(kind, needs, expensive, mutates, stage, resets, clustering, loosens or {})
 
     def wrap(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        defaults = {
+            name: p.default
+            for name, p in inspect.signature(fn).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
+
         @functools.wraps(fn)
         def run(session: Any, **params: Any) -> dict[str, Any]:
             needs = spec.needs_for(params)
             if needs:
                 session.require(fn.__name__, *needs)
+            given = {**defaults, **params}  # a direct call (not the registry's) may leave some out
+            written = given.get("key_added")
+            if spec.clustering and spec.stage != "clusters" and written == given[spec.clustering]:
+                raise ToolError(
+                    f"{fn.__name__}: key_added={written!r} would overwrite the clustering it "
+                    f"reads ({spec.clustering}={written!r}): name another column"
+                )
+            found = evidence_settings(fn.__name__, spec.loosens, defaults, given)
             result = fn(session, **params)
+            if found is not None:
+                result = {**result, "checks": [*result.get("checks", []), found]}
             session.done.add(fn.__name__)
+            if spec.stage or spec.resets:
+                session.reached(fn.__name__, spec, given)
             return result
 
         run.spec = spec  # type: ignore[attr-defined]
         return run
 
     return wrap
+
+
+def evidence_settings(
+    tool: str,
+    loosens: Mapping[str, str],
+    defaults: Mapping[str, Any],
+    params: Mapping[str, Any],
+) -> dict[str, Any] | None:
+    """The evidence_settings check of a call: which evidence thresholds it set looser than
+    their defaults (both values named); None for a tool without evidence thresholds."""
+    if not loosens:
+        return None
+    loose = {
+        name: {"given": params[name], "default": defaults[name]}
+        for name, looser in loosens.items()
+        if params.get(name) is not None
+        and defaults.get(name) is not None
+        and params[name] != defaults[name]
+        and (params[name] < defaults[name]) == (looser == "lower")
+    }
+    if loose:
+        said = ", ".join(f"{k}={v['given']} (default {v['default']})" for k, v in loose.items())
+        return check(
+            "evidence_settings", "warn", f"{tool}: evidence thresholds loosened: {said}",
+            loosened=loose,
+        )  # fmt: skip
+    return check("evidence_settings", "pass", f"{tool}: evidence thresholds at or above defaults")
 
 
 @dataclass
@@ -124,10 +207,18 @@ class Outcome:
         return self.status == "ok"
 
     def for_model(self) -> dict[str, Any]:
-        """What goes back to the model as the tool message."""
-        if self.ok:
-            return self.result or {}
-        return {"error": self.error}
+        """What goes back to the model as the tool message: the result less the checks that
+        passed (the record keeps them; the model needs what warned), or the error."""
+        if not self.ok:
+            return {"error": self.error}
+        result = self.result or {}
+        checks = result.get("checks")
+        if not isinstance(checks, list):
+            return result
+        doubts = [c for c in checks if not (isinstance(c, dict) and c.get("verdict") == "pass")]
+        return {k: v for k, v in result.items() if k != "checks"} | (
+            {"checks": doubts} if doubts else {}
+        )
 
 
 @dataclass
@@ -264,10 +355,15 @@ class ToolRegistry:
             result = jsonable(self._tools[name].fn(session, **params))
             status, error = "ok", None
         except Exception as e:
+            # a stop pending: whatever the tool raised is its doing (numba turns the handler's
+            # Interrupted into a SystemError), so the call ends the run and is not recorded
+            signals.check()
             fault = infrastructure_fault(e)
             if fault is not None:
                 raise InfrastructureError(f"{name}: {type(fault).__name__}: {fault}") from e
-            if isinstance(e, ToolError):
+            if isinstance(e, Refusal):  # the record keeps the check that refused the call
+                result, status, error = jsonable({"checks": [e.check]}), "error", str(e)
+            elif isinstance(e, ToolError):
                 result, status, error = None, "error", str(e)
             else:  # a tool bug must not end the run; the model and record see it
                 result, status, error = None, "error", f"{name} failed: {type(e).__name__}: {e}"

@@ -367,7 +367,15 @@ def _replay_config(
         **({"context_limit": meta["context_limit"]} if meta.get("context_limit") else {}),
         # annotate_celltypist's default model; the record's sha256 says which content it had
         **({"celltypist_model": meta["celltypist_model"]} if meta.get("celltypist_model") else {}),
+        # records made before the doublets setting removed them: the default
+        **({"doublets": meta["doublets"]} if meta.get("doublets") else {}),
+        # the unfiltered droplets where they still are; else remove_ambient differs, and says so
+        **({"raw_input": meta["raw_input"]} if _still_there(meta.get("raw_input")) else {}),
     )
+
+
+def _still_there(path: str | None) -> bool:
+    return bool(path) and Path(path).exists()
 
 
 def _rerun(
@@ -424,7 +432,7 @@ def replay(
     or whose input is missing or changed, gives the verdict "not replayed"; a record that fails
     its integrity check (agent/integrity.py) "altered at step k" ("altered": meta), whatever
     the replay found, which the document keeps."""
-    from agent.tools.session import DIGEST_VERSION  # scanpy and friends: not for usage errors
+    from agent.digest import DIGEST_VERSION
 
     source = Path(world_state)
     started, t0 = now(), time.perf_counter()

@@ -19,16 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import orjson
+
 from agent import say
-from agent.durable import link_atomically, same_file
+from agent.durable import Unsupported, link_atomically, same_file
 from agent.integrity import check_record
 from agent.layout import Kept, SampleLayout
+from agent.lock import FolderBusy, FolderLock
 from agent.provenance import now
 from agent.registry import ToolRegistry
 from agent.world_state import WorldState, record_version
 
 # ended with the analysis' own result (a refused input is refused again by the same settings)
-RESULTS = ("finished", "repeated_failures", "input_refused")
+RESULTS = ("finished", "partial", "repeated_failures", "input_refused")
 # meta.record_version from which input_refused is the input's content only, never the job's memory
 RESOURCES_ARE_FAULTS = 2
 
@@ -94,18 +97,29 @@ def decide(
     return Choice("resume", f"unfinished ({status})")
 
 
+# Settings added after earlier records were written, with the value those runs had: such a
+# record still matches a run that keeps that value.
+SINCE_ADDED = {"doublets": "remove"}
+
+
 def differences(meta: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     return [
-        f"{key} {meta.get(key)!r} (this run: {wanted[key]!r})"
+        f"{key} {meta.get(key, SINCE_ADDED.get(key))!r} (this run: {wanted[key]!r})"
         for key in wanted
-        if meta.get(key) != wanted[key]
+        if meta.get(key, SINCE_ADDED.get(key)) != wanted[key]
     ]
 
 
-def ended_with_finish(world: WorldState) -> bool:
-    """A run killed after `finish` succeeded but before its record said so is finished."""
-    last = world.entries[-1] if world.entries else None
-    return last is not None and last.tool == "finish" and last.status == "ok"
+def ended_with_finish(world: WorldState) -> str | None:
+    """How a run ended whose `finish` succeeded ("finished" or "partial", as finish said), also
+    when it was killed before its record said so; None when no finish succeeded last. Calls its
+    reply made after it were refused and recorded after it."""
+    done = next(
+        (e for e in reversed(world.entries) if e.tool == "finish" and e.status == "ok"), None
+    )
+    if done is None or any(e.status == "ok" for e in world.entries if e.step > done.step):
+        return None
+    return (done.result or {}).get("status", "finished")
 
 
 def read_earlier(layout: SampleLayout) -> tuple[WorldState | None, str | None]:
@@ -208,6 +222,37 @@ def publish(layout: SampleLayout) -> None:
                 link_atomically(copy, name)
 
 
+def publish_unless_held(layout: SampleLayout) -> bool:
+    """``publish`` under the folder's lock, for the workflow, which re-checks every sample's
+    published files on each run whatever Snakemake then decides (it starts no job, so no agent
+    publishes, when it finds nothing to do). Only an analysis that ended with its result, as a
+    rerun with the same settings would keep it: a failed or unfinished one stays unpublished,
+    so that Snakemake reruns its job. False, and nothing done, where nothing is missing, for
+    such an analysis, and for a folder that another run holds (that run publishes)."""
+    if not layout.record_copy.is_file() or not _unpublished(layout):
+        return False
+    try:
+        with FolderLock(layout.lock):
+            status = orjson.loads(layout.record_copy.read_bytes())["meta"].get("status")
+            if status not in RESULTS:
+                return False
+            publish(layout)
+    except (FolderBusy, Unsupported):  # a run holds it; or no flock, which a run refuses itself
+        return False
+    except (orjson.JSONDecodeError, KeyError, TypeError):  # a run will say what is wrong
+        return False
+    return True
+
+
+def _unpublished(layout: SampleLayout) -> bool:
+    """Whether a kept copy is not under its published name (gone, or another file there)."""
+    return any(
+        copy.exists() and not same_file(name, copy)
+        for kept in layout.kept_copies()
+        for name, copy in _pairs(kept)
+    )
+
+
 def _pairs(kept: Kept) -> list[tuple[Path, Path]]:
     """The published file and its copy; for a folder, each file in either and its copy (hidden
     ones left out: a write in progress)."""
@@ -231,6 +276,15 @@ def catch_up(world: WorldState, session: Any, registry: ToolRegistry) -> dict[st
     digests = {e.step: e.digest_after for e in world.entries}
     restored, rejected = session.restore(last, digests)
     restored = restored or 0
+    if session.stages is None:  # a checkpoint made before stages were kept: the record says them
+        session.stages, session.stale = {}, {}
+        for e in world.entries:
+            if e.step <= restored and e.status == "ok" and e.tool in registry.specs():
+                if e.tool == "load_data":
+                    session.stages, session.stale = {}, {}
+                spec = registry.spec(e.tool)
+                if spec.stage or spec.resets:
+                    session.reached(e.tool, spec, e.params)
     for e in world.entries:
         if e.step <= restored or e.status != "ok":
             continue

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from agent import say
+from agent import checks, say
 from agent.config import LOAD_OPTIONS, RunConfig
 from agent.context import ContextManager, TokenCounter, tokenizer_estimate
 from agent.durable import Unsupported, check_hard_links
@@ -67,8 +67,8 @@ def check_input(config: RunConfig) -> None:
 
 
 def run_sample(config: RunConfig) -> str:
-    """Run, resume or keep one sample's analysis; returns how it ended ("finished", "step_limit",
-    "repeated_failures", "input_refused"). The record says the same, and why. Raises
+    """Run, resume or keep one sample's analysis; returns how it ended ("finished", "partial",
+    "step_limit", "repeated_failures", "input_refused"). The record says the same, and why. Raises
     FolderBusy, CannotReuse, BadInput (nothing was started) and PolicyUnavailable,
     InfrastructureError, Interrupted (the record says so; a rerun resumes)."""
     check_input(config)
@@ -95,6 +95,8 @@ def run_sample(config: RunConfig) -> str:
             **{k: getattr(config, k) for k in LOAD_OPTIONS},
             # the reference model's content, not its place: a changed model redoes the sample
             "celltypist_model_sha256": model_sha256(config),
+            "doublets": config.doublets,
+            "raw_input_sha256": raw_sha256(config),  # the soup's droplets: content, not place
         }
         action, world = plan(layout, wanted, config.max_steps, config.fresh, config.replace_changed)
         if action == "keep":
@@ -108,6 +110,7 @@ def run_sample(config: RunConfig) -> str:
                     "input": str(config.input.resolve()),
                     "input_files": sums,
                     "celltypist_model": model_path(config),
+                    "raw_input": str(config.raw_input.resolve()) if config.raw_input else None,
                     "started": now(),
                     "resumed": [],
                 }
@@ -118,10 +121,12 @@ def run_sample(config: RunConfig) -> str:
 
 def _keep(world: WorldState, layout: Any) -> str:
     meta = world.meta
-    if ended_with_finish(world) and meta.get("status") != "finished":
-        # killed after `finish` succeeded, before the record said so: the analysis is complete
-        meta.update(status="finished", ended=now())
+    ended = ended_with_finish(world)
+    if ended and meta.get("status") != ended:
+        # killed after `finish` succeeded, before the record said so: it ended as finish said
+        meta.update(status=ended, ended=now())
         meta.pop("error", None)
+        _conclude(world, ended)
         world.save_record(layout)
     publish(layout)
     print(
@@ -133,8 +138,9 @@ def _keep(world: WorldState, layout: Any) -> str:
 
 
 def _run(config: RunConfig, world: WorldState, layout: Any, wanted: dict[str, Any]) -> str:
+    from agent.digest import DIGEST_VERSION
     from agent.tools import build_registry
-    from agent.tools.session import DIGEST_VERSION, Session
+    from agent.tools.session import Session
 
     sample, meta = config.sample_name, world.meta
     # the record as it was, for the second look of the rule table once the model is known
@@ -155,6 +161,7 @@ def _run(config: RunConfig, world: WorldState, layout: Any, wanted: dict[str, An
         status="running",
     )
     meta.pop("error", None)
+    meta.pop("checks", None)  # a resumed run's are written again when it ends
     if not world.entries:  # a resumed record keeps the version it was begun with
         meta["record_version"] = RECORD_VERSION
     registry = build_registry()
@@ -178,6 +185,9 @@ def _run(config: RunConfig, world: WorldState, layout: Any, wanted: dict[str, An
         session = Session(
             layout.root, seed=config.seed, input_path=config.input,
             celltypist_model=config.celltypist_model,
+            celltypist_model_sha256=wanted["celltypist_model_sha256"],  # checked at each use
+            doublets=config.doublets,
+            raw_input=config.raw_input,
         )  # fmt: skip
         if world.entries:
             resumed = catch_up(world, session, registry)
@@ -208,14 +218,27 @@ def _run(config: RunConfig, world: WorldState, layout: Any, wanted: dict[str, An
         _record_ending(world, layout)
         raise
     meta.update(status=status, ended=now(), truncations=context.truncations)
-    if status == "input_refused":
-        meta["error"] = f"input refused: {input_refusal(world)}"
-    elif status != "finished":
-        last_error = next((e.error for e in reversed(world.entries) if e.error), None)
-        meta["error"] = f"run ended without finish ({status}); last error: {last_error}"
+    _conclude(world, status)
     world.save_record(layout)
     publish(layout)
     return status
+
+
+def _conclude(world: WorldState, status: str) -> None:
+    """What the record's meta says of a run that ended with its own result: why it did not finish
+    (``error``), and every check of its decisions (``checks``)."""
+    meta = world.meta
+    if status == "input_refused":
+        meta["error"] = f"input refused: {input_refusal(world)}"
+    elif status == "partial":
+        done = world.last_ok("finish")
+        reason = (done.params.get("partial") if done else None) or "not given"
+        missing = ", ".join(((done.result or {}).get("missing") or {}) if done else ()) or "none"
+        meta["error"] = f"partial analysis: {reason} (stages missing: {missing})"
+    elif status != "finished":
+        last_error = next((e.error for e in reversed(world.entries) if e.error), None)
+        meta["error"] = f"run ended without finish ({status}); last error: {last_error}"
+    meta["checks"] = [c.model_dump() for c in checks.collect(world.entries)]
 
 
 def _record_ending(world: WorldState, layout: Any) -> None:
@@ -251,6 +274,16 @@ def model_path(config: RunConfig) -> str | None:
     return str(config.celltypist_model.resolve()) if config.celltypist_model else None
 
 
+def raw_sha256(config: RunConfig) -> str | None:
+    """sha256 of the run's unfiltered droplet matrix (--raw-input), None without one."""
+    if config.raw_input is None:
+        return None
+    try:
+        return checksum(config.raw_input)
+    except OSError as e:
+        raise InfrastructureError(f"cannot read {config.raw_input}: {e}") from e
+
+
 def model_sha256(config: RunConfig) -> str | None:
     """sha256 of the run's CellTypist model, None without one."""
     if config.celltypist_model is None:
@@ -262,8 +295,8 @@ def model_sha256(config: RunConfig) -> str | None:
 
 
 def _brief(config: RunConfig) -> str:
-    """The sample's instructions, with the load_data arguments its run options set and the
-    reference model it gives."""
+    """The sample's instructions, with the load_data arguments its run options set, the
+    reference model it gives and what becomes of its doublets."""
     options = ", ".join(f"{k}={v!r}" for k, v in config.load_options.items())
     load = f"Load the counts with load_data({options})." if options else ""
     model = (
@@ -272,13 +305,19 @@ def _brief(config: RunConfig) -> str:
         if config.celltypist_model
         else ""
     )
-    return " ".join(part for part in (config.brief, load, model) if part)
+    doublets = (
+        "Doublets are flagged, not removed: call detect_doublets and keep its predicted doublets "
+        "(markers and labels leave them out); do not call remove_doublets."
+        if config.doublets == "flag"
+        else ""
+    )
+    return " ".join(part for part in (config.brief, load, model, doublets) if part)
 
 
 # Exit statuses of `agent run`: documented in its --help and in main's docstring.
 EXIT_INPUT_REFUSED = 3
 EXIT_STATUSES = (
-    "exit status: 0 the analysis ended with a complete record (finished, or unfinished after "
+    "exit status: 0 the analysis ended with a complete record (finished, partial, or unfinished after "
     "repeated failures or at the step limit); 1 something outside the analysis broke it (server, "
     "I/O, too little memory or disk for the input, folder in use): a rerun resumes; 2 refused "
     "before starting (options, missing input, an earlier record with other settings, an output "
@@ -293,10 +332,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit status: 0 when the run ended with a complete record, even an unfinished analysis
-    (repeated failures, step limit: the report shows it as failed); 1 when something outside the
-    analysis broke it (server gone, I/O error, too little memory for the input, folder busy): a
-    retry (with more memory) resumes it; 2 when it was refused before starting (options, input,
+    """Exit status: 0 when the run ended with a complete record, even a partial or unfinished
+    analysis (partial: amber in the report; repeated failures, step limit: failed); 1 when
+    something outside the analysis broke it (server gone, I/O error, too little memory for the
+    input, folder busy): a retry (with more memory) resumes it; 2 when it was refused before starting (options, input,
     an earlier record with other settings, a folder without hard links or locks); 3 when the
     input was refused (load_data could not read counts from it and no option it names helped:
     the record says why; a rerun with the same input and options ends the same); 128+N when
@@ -342,5 +381,10 @@ def main(args: argparse.Namespace) -> int:
         error = WorldState.load(record).meta.get("error", "")
         closing(f"input refused (exit {EXIT_INPUT_REFUSED})", f"; {error}")
         return EXIT_INPUT_REFUSED
-    closing(status if status == "finished" else f"analysis ended without finish ({status})")
+    if status in ("finished", "partial"):
+        closing(
+            status, "" if status == "finished" else f"; {WorldState.load(record).meta['error']}"
+        )
+    else:
+        closing(f"analysis ended without finish ({status})")
     return 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,17 +61,23 @@ class Sheet:
     path: Path
     rows: list[dict[str, Any]]  # non-empty cells only; integer columns as int
     lines: list[int]  # the line of each row in the file
+    warnings: list[str] = field(default_factory=list)  # what is allowed but likely a mistake
 
     def error(self, i: int, column: str | None, message: str) -> SampleSheetError:
         """An error about row ``i``."""
         return sheet_error(self.path, self.lines[i], self.rows[i].get("sample"), column, message)
 
 
-def read_sheet(sheet: Path, schema: dict[str, Any]) -> Sheet:
+def read_sheet(
+    sheet: Path, schema: dict[str, Any], extra_columns: Collection[str] | None = ()
+) -> Sheet:
     """Read the TSV into rows of non-empty cells, checking the header against the schema.
 
-    Integer columns are converted here so that the schema judges values, not spellings; a cell
-    that is no number is reported with its line.
+    ``extra_columns``: columns the schema does not name that the sheet may hold, as text (the
+    samples' descriptions that config names, such as a condition or a grouping); None allows any
+    (a reader of a sheet the workflow checked already). Integer columns are converted here so
+    that the schema judges values, not spellings; a cell that is no number is reported with its
+    line.
     """
     if not sheet.is_file():
         problem = "does not exist (config key 'samples')"
@@ -87,10 +93,11 @@ def read_sheet(sheet: Path, schema: dict[str, Any]) -> Sheet:
                 sheet, 1, None, missing[0],
                 f"missing column (header has {header}; required: {schema['required']})",
             )  # fmt: skip
-        unknown = [name for name in header if name not in columns]
-        if unknown:
+        allowed = columns.keys() | set(extra_columns or ())
+        unknown = [name for name in header if name not in allowed]
+        if unknown and extra_columns is not None:
             raise sheet_error(
-                sheet, 1, None, unknown[0], f"unknown column (allowed: {sorted(columns)})"
+                sheet, 1, None, unknown[0], f"unknown column (allowed: {sorted(allowed)})"
             )
         if len(set(header)) != len(header):
             raise sheet_error(sheet, 1, None, None, f"repeated column name in {header}")
@@ -150,9 +157,13 @@ def describe(error: jsonschema.ValidationError) -> str:
     return f"{problem} ({' '.join(why.split())})" if why else problem
 
 
-def validate_rows(sheet: Sheet, schema: dict[str, Any]) -> None:
-    """Each row against the schema: a required cell left empty, then the first value (in
-    column order) that the schema refuses."""
+def validate_rows(
+    sheet: Sheet, schema: dict[str, Any], extra_columns: Collection[str] = ()
+) -> None:
+    """Each row against the schema (``extra_columns`` as free text): a required cell left
+    empty, then the first value (in column order) that the schema refuses."""
+    text = {"type": "string", "description": "a column that config names"}
+    schema = {**schema, "properties": {**{c: text for c in extra_columns}, **schema["properties"]}}
     validator = jsonschema.Draft202012Validator(schema)
     order = {name: k for k, name in enumerate(schema["properties"])}
     for i, row in enumerate(sheet.rows):
@@ -170,21 +181,48 @@ def validate_rows(sheet: Sheet, schema: dict[str, Any]) -> None:
         raise sheet.error(i, column, describe(first))
 
 
+# Columns that name files; Snakemake reads a brace in a path as a wildcard
+PATH_COLUMNS = ("path", "celltypist_model")
+
+
 def check_samples(sheet: Sheet, made_by_workflow: Callable[[str], bool], hint: str = "") -> None:
-    """Sheet-level rules the schema cannot state: unique names; inputs that exist, or that the
-    workflow makes (``made_by_workflow(path)``; ``hint`` says which those are); model files that
-    exist."""
+    """Sheet-level rules the schema cannot state: unique names; paths without braces; inputs that
+    exist, or that the workflow makes (``made_by_workflow(path)``; ``hint`` says which those
+    are); model files that exist. Rows naming one input (the same file, by any path) are
+    allowed (another seed, another model) but noted in ``sheet.warnings``."""
     first_line: dict[str, int] = {}
+    inputs: dict[Any, int] = {}  # the input's identity -> the first line naming it
     for i, row in enumerate(sheet.rows):
         name, line = row["sample"], sheet.lines[i]
         if name in first_line:
             raise sheet.error(i, "sample", f"duplicate sample (first on line {first_line[name]})")
         first_line[name] = line
+        for column in PATH_COLUMNS:
+            if any(brace in row.get(column, "") for brace in "{}"):
+                raise sheet.error(
+                    i, column,
+                    f"{row[column]!r} holds a brace, which Snakemake reads as a wildcard: "
+                    "rename the file or folder",
+                )  # fmt: skip
         path = row["path"]
+        same = _identity(path)
+        if same in inputs:
+            sheet.warnings.append(
+                f"sample sheet {sheet.path}, line {line} (sample {name!r}): input {path!r} is "
+                f"also the input of line {inputs[same]}; analysed twice, as asked"
+            )
+        inputs.setdefault(same, line)
         if not made_by_workflow(path) and not os.path.exists(path):
             raise sheet.error(
                 i, "path",
                 f"{path!r} does not exist (relative paths are from {Path.cwd()}{hint})",
+            )  # fmt: skip
+        raw = row.get("raw_input")
+        if raw and not os.path.exists(raw):
+            raise sheet.error(
+                i, "raw_input",
+                f"{raw!r} does not exist (expected the sample's unfiltered droplet matrix; "
+                f"relative paths are from {Path.cwd()})",
             )  # fmt: skip
         model = row.get("celltypist_model")
         if model and not os.path.isfile(model):
@@ -195,16 +233,38 @@ def check_samples(sheet: Sheet, made_by_workflow: Callable[[str], bool], hint: s
             )  # fmt: skip
 
 
+def _identity(path: str) -> Any:
+    """What tells inputs apart: the file itself (device and inode, whatever path names it), or
+    the normalised path of one not there yet (the workflow makes it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.normpath(os.path.abspath(path))
+    return (st.st_dev, st.st_ino)
+
+
 def load_sheet(
     path: Path,
     made_by_workflow: Callable[[str], bool] = lambda _: False,
     hint: str = "",
     schema: Path = SCHEMA,
+    extra_columns: Collection[str] = (),
 ) -> Sheet:
-    """Read and check a sample sheet; SampleSheetError names what is wrong and where."""
+    """Read and check a sample sheet; SampleSheetError names what is wrong and where.
+    ``extra_columns``: columns beyond the schema's that config names (free text)."""
     with schema.open() as handle:
         spec = yaml.safe_load(handle)
-    sheet = read_sheet(path, spec)
-    validate_rows(sheet, spec)
+    sheet = read_sheet(path, spec, extra_columns)
+    validate_rows(sheet, spec, extra_columns)
     check_samples(sheet, made_by_workflow, hint)
     return sheet
+
+
+def sample_cells(path: Path) -> dict[str, dict[str, str]]:
+    """sample -> its sheet cells (every column but 'sample'), as text, for the cohort steps that
+    describe samples by them (obs columns, conditions, groups). Columns the schema does not name
+    are read too: the workflow checked the sheet against the columns its config names."""
+    with SCHEMA.open() as handle:
+        spec = yaml.safe_load(handle)
+    rows = read_sheet(path, spec, extra_columns=None).rows
+    return {str(r["sample"]): {k: str(v) for k, v in r.items() if k != "sample"} for r in rows}

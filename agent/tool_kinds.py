@@ -31,6 +31,7 @@ TOOL_KINDS: dict[str, ToolKind] = {
     "umap": ToolKind("embed", mutates=True),
     "leiden": ToolKind("cluster", mutates=True),
     "cluster_sweep": ToolKind("cluster", mutates=True),
+    "remove_ambient": ToolKind("ambient", mutates=True),
     "rank_genes_groups": ToolKind("markers", mutates=True),
     "annotate_clusters": ToolKind("annotate", mutates=True),
     "annotate_celltypist": ToolKind("annotate", mutates=True),

@@ -1,7 +1,8 @@
 """The cohort object at scale: seconds and peak memory of `agent integrate` at 10, 100 and 400
 samples of the demo's size.
 
-The cohorts are copies of one finished sample folder (`agent.testing.cohort_copies.copy_cohort`,
+The cohorts are copies of one finished sample folder (`agent.testing.cohort_copies.finished_copy`,
+records re-chained and sealed so that the integrity check passes,
 final AnnData hard-linked): a reference analysis of the demo sample pbmc2 made first (about 30 s)
 unless `--sample-dir DIR` gives a finished one. Each size runs `python -m agent integrate` as a
 child process; its peak memory is the child's own ru_maxrss (os.wait4), which covers the native
@@ -71,13 +72,15 @@ def main() -> int:
     header(f"Cohort integration ({args.method}) at scale")
     import anndata as ad
 
-    from agent.testing.cohort_copies import copy_cohort
+    from agent.digest import digest_adata
+    from agent.testing.cohort_copies import finished_copy
 
     rows, per_cell = [], None
     with tempfile.TemporaryDirectory(prefix="cohort_integration_") as tmp:
         root = Path(tmp)
         source = args.sample_dir or demo_sample(root / "demo")
         cells_per_sample = ad.read_h5ad(source / "adata.h5ad", backed="r").n_obs
+        digest = digest_adata(ad.read_h5ad(source / "adata.h5ad"))
         for n in sorted(args.sizes):
             cells = n * cells_per_sample
             if per_cell is not None and per_cell * cells > HEADROOM * available_kib():
@@ -85,9 +88,11 @@ def main() -> int:
                 print(f"{n} samples: skipped, ~{need:.1f} GiB projected", flush=True)
                 rows.append([n, f"{cells:,}", "skipped", f"~{need:.1f} (projected)", ""])
                 continue
-            states = copy_cohort(
-                source, root / f"c{n}" / "samples", n, failed_every=0, unreplayed_every=0
-            )
+            folder = root / f"c{n}" / "samples"  # sound records (integrate reads no other)
+            states = [
+                finished_copy(source, folder, f"s{i:04d}", source / "adata.h5ad", digest)
+                for i in range(n)
+            ]
             seconds, peak, line = integrate(states, root / f"c{n}" / "cohort", args.method)
             per_cell = peak / cells
             print(f"{n} samples: {seconds:.0f} s, {peak / 2**20:.2f} GiB; {line}", flush=True)

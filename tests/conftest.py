@@ -6,5 +6,6 @@ pytest_plugins: list[str] = [
     "tests.fixtures_vllm",
     "tests.fixtures_data",
     "tests.fixtures_realdata",
+    "tests.fixtures_cohort",
     "tests.fixtures_slurm",
 ]

@@ -1,7 +1,8 @@
 """Synthetic samples, sessions at any stage of the reference recipe, and a loop-free runner.
 
-``run_reference`` drives the registry with the ReferencePolicy in a plain for-loop (what the
-agent loop does, minus prompts and budgets), so tool and policy tests do not depend on it.
+``run_reference`` (agent/testing/reference_run.py, which the benchmarks share) drives the
+registry with the ReferencePolicy in a plain for-loop (what the agent loop does, minus prompts
+and budgets), so tool and policy tests do not depend on it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import pytest
 
 from agent.data.synthetic import DEMO_COHORT, SampleSpec, truth_path, write_sample
 from agent.policies.reference import ReferencePolicy
-from agent.provenance import file_sha256
 from agent.registry import Outcome
 from agent.report.truth import read_truth, score
+from agent.testing.reference_run import run_reference as run_reference  # re-exported
 from agent.tools import build_registry
 from agent.tools.session import Session
 from agent.world_state import Entry, WorldState
@@ -30,44 +31,6 @@ SMALL = SampleSpec("small", 800, seed=7, format="h5ad", damaged_fraction=0.1, do
 def call_tool(session: Session, tool: str, **args: Any) -> Outcome:
     """One tool call through the registry, as the loop makes it."""
     return REGISTRY.call(tool, args, session)
-
-
-def run_reference(
-    input_path: str | Path,
-    outdir: str | Path,
-    seed: int = 0,
-    max_steps: int = 60,
-    stop_after: str | None = None,
-    celltypist_model: Path | None = None,
-) -> tuple[Session, WorldState]:
-    """The reference analysis of one sample, step by step; stops after finish (or stop_after).
-    ``celltypist_model``: the run's model, as --celltypist-model gives it (meta as the runner
-    writes it)."""
-    registry = REGISTRY
-    session = Session(outdir, seed=seed, input_path=input_path, celltypist_model=celltypist_model)
-    meta = {"input": str(input_path)}
-    if celltypist_model is not None:
-        meta["celltypist_model_sha256"] = file_sha256(celltypist_model)
-    world = WorldState(meta=meta)
-    policy = ReferencePolicy(registry)
-    for _ in range(max_steps):
-        decision = policy.decide([], registry.schemas(), world)
-        if not decision.calls:
-            break
-        call = decision.calls[0]
-        before = session.digest()
-        outcome = registry.call(call.name, call.arguments, session)
-        entry = world.add(Entry(
-            **vars(outcome), step=world.next_step, digest_before=before,
-            digest_after=session.digest(), call_id=call.id,
-        ))  # fmt: skip
-        if outcome.ok:
-            entry.checkpoint = session.after_step(
-                entry.step, outcome.tool, registry.spec(outcome.tool)
-            )
-            if outcome.tool in ("finish", stop_after):
-                break
-    return session, world
 
 
 def recovery(session: Session, input_path: str | Path, key: str = "leiden") -> dict[str, Any]:
@@ -98,7 +61,8 @@ def small_input(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference_stages(small_input: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The small sample after each step of the reference recipe: tool -> (AnnData, done set)."""
+    """The small sample after each step of the reference recipe: tool -> (AnnData, done set,
+    result, stages reached)."""
     outdir = tmp_path_factory.mktemp("stages")
     registry = REGISTRY
     session = Session(outdir, seed=0, input_path=small_input)
@@ -120,7 +84,9 @@ def reference_stages(small_input: Path, tmp_path_factory: pytest.TempPathFactory
         )  # fmt: skip
         if outcome.tool == "finish":
             break
-        stages[outcome.tool] = (session.adata.copy(), set(session.done), outcome.result)
+        stages[outcome.tool] = (
+            session.adata.copy(), set(session.done), outcome.result, dict(session.stages),
+        )  # fmt: skip
     return stages
 
 
@@ -132,9 +98,9 @@ def session_at(
 
     def make(tool: str) -> Session:
         session = Session(tmp_path / f"after_{tool}", seed=0, input_path=small_input)
-        adata, done, _ = reference_stages[tool]
+        adata, done, _, stages = reference_stages[tool]
         session.adata = adata.copy()
-        session.done = set(done)
+        session.done, session.stages = set(done), dict(stages)
         return session
 
     return make

@@ -1,125 +1,45 @@
-"""Real single-cell count matrices that installed packages ship, as run inputs (issue 15).
+"""Real single-cell count matrices that installed packages ship, as test inputs (issue 15).
 
-Nothing is downloaded here and no data live in the repository: each set is read from the package
-that ships it (PyPI packages of the ``test`` extra; Debian's unpacked by tests/realdata/install.sh),
-converted once per test session to an .h5ad of raw counts (barcodes and genes only, so an
-analysis cannot see the labels), with a truth.tsv of the published labels beside it where the set
-has them. A set whose package is missing is skipped, naming what installs it.
+The sets themselves (where each lies, how it becomes raw counts, its published labels) are
+agent/data/real.py's, which `agent eval` reads too; here they are converted once per test session
+to an .h5ad of raw counts with a truth.tsv of the published labels beside it where the set has
+them. A set whose package is missing is skipped, naming what installs it.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anndata as ad
-import numpy as np
-import pandas as pd
 import pytest
-from scipy import sparse
 
-from agent.data.synthetic import truth_path
+from agent.data.real import (
+    PUBLISHED_TYPES,
+    REAL_SETS,
+    RealSet,
+    per_type_agreement,
+    shipped_file,
+    write_real,
+    write_truth,
+)
 from agent.world_state import WorldState
 from tests.fixtures_data import run_reference
 
-# where tests/realdata/install.sh unpacks Debian packages (one folder each)
-REALDATA_DIR = Path(os.environ.get("SCAGENT_REALDATA", "/var/cache/scagent-realdata"))
+__all__ = [
+    "INSTALL_HINT", "PUBLISHED_FLOORS", "PUBLISHED_TYPES", "REAL_SETS", "RealSet", "last_ok",
+    "per_type_agreement", "real_input", "real_run", "shipped_file", "write_truth",
+]  # fmt: skip
+
 INSTALL_HINT = "pip install -e '.[test]' and bash tests/realdata/install.sh"
-
-
-@dataclass(frozen=True)
-class RealSet:
-    """One shipped set: where it lies and how it becomes cells x genes of raw counts."""
-
-    name: str
-    species: str
-    package: str  # PyPI module or Debian package that ships it
-    file: str  # the file's path inside that package
-    read: Callable[[Path], tuple[ad.AnnData, pd.Series | None]]  # counts, published labels
-
-
-def _counts_from_lognorm(path: Path) -> tuple[ad.AnnData, pd.Series]:
-    """scanpy's pbmc68k_reduced: its .raw is log1p of depth-normalised counts of 765 genes.
-
-    Within a cell every count is a multiple of the normalised value of a single count, taken as
-    the cell's smallest non-zero value; rounding then recovers integer counts. The residual is
-    checked, so a changed file fails here instead of feeding the analysis made-up counts.
-    """
-    shipped = ad.read_h5ad(path)
-    values = np.expm1(np.asarray(shipped.raw.X.todense(), dtype=np.float64))
-    one_count = np.where(values > 0, values, np.inf).min(axis=1, keepdims=True)
-    scaled = values / one_count
-    counts = np.rint(scaled)
-    residual = float(np.abs(scaled - counts).max())
-    assert residual < 0.25, f"{path}: .raw is not a scaled count matrix (residual {residual:.3f})"
-    adata = ad.AnnData(sparse.csr_matrix(counts, dtype=np.float32))
-    adata.obs_names, adata.var_names = shipped.obs_names, shipped.raw.var_names
-    return adata, shipped.obs["bulk_labels"].astype(str)
-
-
-def _counts_from_table(sep: str, genes_in_rows: bool) -> Callable[[Path], tuple[ad.AnnData, None]]:
-    def read(path: Path) -> tuple[ad.AnnData, None]:
-        table = pd.read_csv(path, sep=sep, index_col=0)
-        table = table.T if genes_in_rows else table
-        adata = ad.AnnData(sparse.csr_matrix(table.to_numpy(dtype=np.float32)))
-        adata.obs_names, adata.var_names = table.index.astype(str), table.columns.astype(str)
-        return adata, None
-
-    return read
-
-
-REAL_SETS = {
-    s.name: s
-    for s in (
-        # Zheng et al. 2017 PBMCs, 700 cells, labels from sorted bulk profiles (scanpy's wheel)
-        RealSet("pbmc68k_reduced", "human", "scanpy", "datasets/10x_pbmc68k_reduced.h5ad",
-                _counts_from_lognorm),
-        # Seurat's pbmc_small: 80 shallow PBMCs x 230 genes, UMI counts (Debian r-cran-seurat)
-        RealSet("pbmc_small", "human", "r-cran-seurat",
-                "usr/lib/R/site-library/Seurat/extdata/pbmc_raw.txt",
-                _counts_from_table("\t", genes_in_rows=True)),
-        # CellTypist's sample: 559 cells x 32,786 genes (the whole 10x gene list), UMI counts
-        RealSet("celltypist_sample", "human", "celltypist", "data/samples/sample_cell_by_gene.csv",
-                _counts_from_table(",", genes_in_rows=False)),
-    )
-}  # fmt: skip
-
-
-def shipped_file(real: RealSet) -> Path | None:
-    """The set's file in its installed package (a Python module, else a Debian package installed
-    or unpacked by tests/realdata/install.sh), or None where it is not installed."""
-    spec = importlib.util.find_spec(real.package) if real.package.isidentifier() else None
-    if spec is not None and spec.submodule_search_locations:
-        candidates = [Path(loc) / real.file for loc in spec.submodule_search_locations]
-    else:
-        candidates = [Path("/") / real.file, REALDATA_DIR / real.package / real.file]
-    return next((p for p in candidates if p.is_file()), None)
-
-
-def write_truth(labels: pd.Series, path: Path) -> None:
-    """truth.tsv (agent/report/truth.py's columns): published labels; no planted defects."""
-    truth = pd.DataFrame({"barcode": labels.index, "cell_type": labels.to_numpy()})
-    for flag in ("is_doublet", "is_damaged", "is_empty"):
-        truth[flag] = False
-    truth.to_csv(path, sep="\t", index=False)
 
 
 @pytest.fixture(scope="session", params=sorted(REAL_SETS))
 def real_input(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One shipped set as a raw-count .h5ad (truth.tsv beside it when it has published labels)."""
     real = REAL_SETS[request.param]
-    source = shipped_file(real)
-    if source is None:
+    path = write_real(real, tmp_path_factory.mktemp(real.name))
+    if path is None:
         pytest.skip(f"{real.name}: {real.file} of {real.package} not installed ({INSTALL_HINT})")
-    adata, labels = real.read(source)
-    path = tmp_path_factory.mktemp(real.name) / f"{real.name}.h5ad"
-    adata.write_h5ad(path)
-    if labels is not None:
-        write_truth(labels, truth_path(path))
     return path
 
 
@@ -135,32 +55,12 @@ def last_ok(world: WorldState, tool: str) -> Any:
     return next((e for e in reversed(world.entries) if e.tool == tool and e.status == "ok"), None)
 
 
-# pbmc68k_reduced's published (FACS-sorted bulk) labels -> the labels of ours that agree
-PUBLISHED_TYPES = {
-    "CD14+ Monocyte": {"CD14 Mono", "FCGR3A Mono"},  # the CD14+ sort holds CD16+ monocytes too
-    "CD19+ B": {"B", "Plasma"},  # and the CD19+ sort plasmablasts
-    "CD34+": {"HSPC"},
-    "CD56+ NK": {"NK"},
-    "Dendritic": {"DC", "pDC", "Mature DC"},
-    "CD4+/CD25 T Reg": {"Treg"},
-    "CD4+/CD45RA+/CD25- Naive T": {"CD4 naive T"},
-    "CD4+/CD45RO+ Memory": {"CD4 memory T"},
-    "CD8+ Cytotoxic T": {"CD8 effector-memory T"},
-    "CD8+/CD45RA+ Naive Cytotoxic": {"CD8 naive T"},
-}
 # Floors of the share of a published type labelled as it, below those measured 2026-12 (shipped
 # Louvain clusters / reference recipe: monocytes 0.95 / 0.94, B 0.95 / 1.0, CD34+ 1.0 / 1.0, NK
 # 0.97 / 0.97, Dendritic 0.78 / 0.64). The T-cell sorts are printed, not floored: the set's 765
 # genes hold none of FOXP3, IL2RA, SELL, LEF1, TCF7, and the bulk labels of T sorts are noisy.
+# Nor the NK sort (issue 37): its cells detect CD3 in 65% (CD8 T cells 97%, non-T 23-35%) and
+# share a cluster with CD8 T cells, which the lineage gate calls T (a CD3+ cluster is never NK).
 PUBLISHED_FLOORS = {
-    "CD14+ Monocyte": 0.9, "CD19+ B": 0.9, "CD34+": 0.9, "CD56+ NK": 0.9, "Dendritic": 0.55,
+    "CD14+ Monocyte": 0.9, "CD19+ B": 0.9, "CD34+": 0.9, "Dendritic": 0.55,
 }  # fmt: skip
-
-
-def per_type_agreement(labels: pd.Series, published: pd.Series) -> dict[str, float]:
-    """Per published type, the share of its cells whose label agrees (PUBLISHED_TYPES)."""
-    labels, published = labels.astype(str), published.loc[labels.index].astype(str)
-    return {
-        kind: round(float(labels[published == kind].isin(PUBLISHED_TYPES[kind]).mean()), 3)
-        for kind in sorted(set(published) & set(PUBLISHED_TYPES))
-    }

@@ -44,3 +44,49 @@ def demo_replay(demo_run: DemoRun) -> dict[str, Any]:
     doc = replay(demo_run.world_state)
     (demo_run.outdir / "replay.json").write_bytes(orjson.dumps(doc))
     return doc
+
+
+# A careless model's choices on the demo sample, each of which a check answers: a cell filter
+# that would remove 95% of the cells (refused), a gene filter given twice in one reply (the
+# stricter in force), no cell filter and no doublets (so labels come out doubtful), a conclusion
+# the object contradicts, and a finish told why it is partial.
+CARELESS_CONCLUSION = "30 clusters, all T cells"
+CARELESS_REASON = "doublets were not looked for"
+
+
+def _reply(tool: str, **arguments: Any) -> dict[str, Any]:
+    return {"tool": tool, "arguments": orjson.dumps(arguments).decode()}
+
+
+@pytest.fixture(scope="session")
+def careless_run(demo_run: DemoRun, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`agent run --policy llm` on the demo sample against the scripted model (about 15 s);
+    its sample folder."""
+    import anndata as ad
+    import numpy as np
+
+    from agent.cli import main
+    from agent.testing.scripted_server import ScriptedServer
+
+    counts = ad.read_h5ad(demo_run.input).X
+    genes_per_cell = np.asarray((counts > 0).sum(axis=1)).ravel()
+    script = [
+        _reply("load_data"), _reply("call_cells"), _reply("qc_metrics"),
+        _reply("filter_by_qc", min_genes=int(np.percentile(genes_per_cell, 95))),
+        {"calls": [_reply("filter_genes", min_cells=10), _reply("filter_genes", min_cells=1)]},
+        _reply("normalize"), _reply("highly_variable_genes"), _reply("pca", n_comps=20),
+        _reply("neighbors"), _reply("leiden", resolution=0.3), _reply("rank_genes_groups"),
+        _reply("annotate_clusters"),
+        _reply("finish", conclusion=CARELESS_CONCLUSION, partial=CARELESS_REASON),
+    ]  # fmt: skip
+    outdir = tmp_path_factory.mktemp("careless") / "careless"
+    server = ScriptedServer(max_model_len=200_000)  # the tool schemas exceed its default 8K
+    server.script = script
+    try:
+        argv = ["run", "--input", str(demo_run.input), "--outdir", str(outdir),
+                "--sample", "careless", "--policy", "llm", "--base-url", server.base_url,
+                "--model", "scripted", "--max-steps", "30"]  # fmt: skip
+        assert main(argv) == 0
+    finally:
+        server.close()
+    return outdir

@@ -117,7 +117,7 @@ def workflow_dir(tmp_path: Path) -> WorkflowDir:
     return make_workflow_dir(tmp_path)
 
 
-DEMO_SAMPLES = ("pbmc1", "pbmc2", "pbmc3")
+DEMO_SAMPLES = ("pbmc1", "pbmc2", "pbmc3", "pbmc4", "pbmc5", "pbmc6")
 
 
 def check_cohort_outputs(path: Path, samples: tuple[str, ...] = DEMO_SAMPLES) -> None:
@@ -133,6 +133,7 @@ def check_cohort_outputs(path: Path, samples: tuple[str, ...] = DEMO_SAMPLES) ->
         assert json.loads((folder / "replay.json").read_text())
         for rule in ("demo_data", "analyze", "replay"):
             assert (path / "logs" / rule / f"{sample}.log").is_file(), (rule, sample)
+    assert (path / "results" / "cohort" / "composition" / "composition.json").is_file()
     report = path / "results" / "report"
     assert (report / "index.html").stat().st_size > 0
     assert len((report / "cohort.tsv").read_text().splitlines()) == len(samples) + 1
@@ -220,7 +221,7 @@ def recorded_calls(folder: Path) -> dict[str, list[dict[str, str]]]:
 
 def serve_standin(argv: list[str]) -> int:
     sys.path.insert(0, str(REPO))  # run as a script: make `tests` and `agent` importable
-    from tests.fixtures_scripted import ScriptedServer
+    from agent.testing.scripted_server import ScriptedServer
 
     parser = argparse.ArgumentParser(description="stand-in for `python -m agent serve`")
     parser.add_argument("--recorded", type=Path, required=True, help="results/samples of a run")

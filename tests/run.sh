@@ -9,6 +9,7 @@ bash scripts/setup.sh --test           # virtualenv with the package, vLLM (CPU)
 bash tests/slurm/start.sh              # single-node Slurm cluster with accounting (slurmdbd)
 bash tests/browser/install.sh          # Debian's chromium for the report test
 bash tests/realdata/install.sh         # real count matrices that Debian packages ship
+bash tests/deseq2/install.sh           # DESeq2 and limma (R), the condition tests' oracles
 
 ruff check .
 snakefmt --check Snakefile workflow  # the Snakefiles' style, configured in pyproject.toml

@@ -151,6 +151,27 @@ def test_missing_and_unreadable_files_are_rows_that_say_so(cohort: Cohort, tmp_p
     assert (tmp_path / "out" / "comparison.html").is_file()
 
 
+def test_an_edited_record_or_a_swapped_object_is_not_compared(cohort: Cohort, tmp_path: Path):
+    """The earlier analyses as replay would reject them: s1's record with an edited parameter
+    (no real change), s2's final object replaced by s1's. Neither is compared; each row says
+    which side fails the integrity check and why."""
+    old = tmp_path / "old"
+    shutil.copytree(cohort.old, old)
+    record = old / "samples" / "s1" / "world_state.json"
+    doc = orjson.loads(record.read_bytes())
+    next(e for e in doc["entries"] if e["tool"] == "leiden")["params"]["resolution"] = 0.1
+    record.write_bytes(orjson.dumps(doc))
+    swapped = old / "samples" / "s2" / "adata.h5ad"
+    shutil.copy(old / "samples" / "s1" / "adata.h5ad", swapped)
+    rows = {r["sample"]: r for r in compare(old, cohort.new, tmp_path / "out")}
+    s1, s2 = rows["s1"], rows["s2"]
+    assert s1["outcome"] == s2["outcome"] == "not compared"
+    assert s1["note"].startswith("the old side fails the integrity check: entry of step ")
+    assert "was altered" in s1["note"] and s1.get("ari") is None
+    assert s2["note"].startswith(f"the old side fails the integrity check: {swapped} is not the")
+    assert s2.get("same_label") is None
+
+
 @pytest.mark.parametrize("given", [("nowhere",), ("old", "nowhere"), ("not-results",)])
 def test_a_folder_that_is_not_there_is_named(tmp_path: Path, given: tuple[str, ...]):
     (tmp_path / "old" / "samples").mkdir(parents=True)

@@ -107,8 +107,9 @@ def test_a_reference_analysis_through_the_family_parser(
     assert server.endpoint.info["family"]["name"] == family
     parser, thinking = parsers(server)
     registry = build_registry()
-    # the family's budget (thousands) would not fit this small context
-    setup = make_policy(llm_config(server, tiny_input, tmp_path, max_tokens=256), registry)
+    # the family's budget (thousands) would not fit this small context; the reference's
+    # conclusion, written token by token, takes a few hundred
+    setup = make_policy(llm_config(server, tiny_input, tmp_path, max_tokens=512), registry)
     policy = ForcedPolicy(
         setup.policy, registry, family, parser, marker_ids(model_dir), thinking=thinking
     )

@@ -27,7 +27,8 @@ import pytest
 from agent.durable import Unsupported
 from agent.integrity import check_record, unchained
 from agent.layout import SampleLayout
-from agent.resume import keep_metrics, publish
+from agent.lock import FolderLock
+from agent.resume import keep_metrics, publish, publish_unless_held
 from agent.runner import _record_ending
 from agent.testing.local_server import REPO, launcher_stderr, stop_launcher
 from agent.tools.input_size import cgroup_room
@@ -524,7 +525,8 @@ def test_outputs_snakemake_deletes_come_back_and_a_second_workflow_is_stopped(
 ):
     """Clock skew: an input modified in the future makes Snakemake fail the job after the agent
     finished and delete its outputs; the copies beside the checkpoints keep them, and the next
-    run (clock fixed) keeps the analysis and publishes them again, plots included. A second
+    run (clock fixed) publishes them again, plots included, though Snakemake then finds nothing
+    to do: the workflow publishes every sample's as it starts. A second
     workflow on the same results folder (its results/ a link to the first's) stops before any
     job while the folder's lock is held; the holder here is a real process holding the lock as
     an agent does (the test does not need a second analysis for it)."""
@@ -546,12 +548,15 @@ def test_outputs_snakemake_deletes_come_back_and_a_second_workflow_is_stopped(
     rows = layout.metrics_copy.read_bytes()
     assert plots and rows.count(b"\n") >= len(baseline.entries) - 1
 
-    os.utime(data, (time.time() - 60, time.time() - 60))  # the clock fixed
+    day_ago = time.time() - 86400
+    os.utime(data, (day_ago, day_ago))  # the clock fixed: the outputs are newer than the input
     again = workflow_dir.snakemake("--cores", "1", target)
     assert again.returncode == 0, again.stdout
-    assert "kept the analysis" in log.read_text()
-    attempts = log.with_name(f"{SAMPLE}.attempts.log").read_text()  # the first one's log too
-    assert attempts.count(" host ") == 2 and "s in the future" in attempts
+    # Snakemake finds nothing to do and starts no job, so no agent publishes: the workflow
+    # itself did, as it started
+    assert "Nothing to be done" in again.stdout, again.stdout
+    attempts = log.with_name(f"{SAMPLE}.attempts.log").read_text()  # the skewed run's log
+    assert attempts.count(" host ") == 1 and "s in the future" in attempts
     assert facts(WorldState.load(layout.record)) == facts(baseline)
     shown = {p.name: p.read_bytes() for p in layout.plots.iterdir() if p.name[0] != "."}
     assert shown == plots  # (Snakemake's hidden timestamp aside)
@@ -646,6 +651,23 @@ def test_metrics_rows_written_to_a_name_made_anew_are_kept(tmp_path):
     assert os.path.samefile(layout.metrics, layout.metrics_copy)
 
 
+def test_the_workflow_publishes_again_only_results_in_folders_no_run_holds(tmp_path):
+    """What the workflow publishes as it starts: a finished analysis whose outputs Snakemake
+    deleted; not a failed one (its job must rerun), nor a folder whose lock a run holds."""
+    finished, failed = SampleLayout(tmp_path / "finished"), SampleLayout(tmp_path / "failed")
+    for layout, status in ((finished, "finished"), (failed, "failed")):
+        layout.checkpoints.mkdir(parents=True)
+        layout.record_copy.write_bytes(json.dumps({"meta": {"status": status}}).encode())
+        layout.metrics_copy.write_bytes(b'{"step": 1, "time": 1}\n')
+    assert not publish_unless_held(failed) and not failed.record.exists()
+    with FolderLock(finished.lock):
+        assert not publish_unless_held(finished) and not finished.record.exists()
+    assert publish_unless_held(finished)
+    assert os.path.samefile(finished.record, finished.record_copy)
+    assert os.path.samefile(finished.metrics, finished.metrics_copy)
+    assert not publish_unless_held(finished)  # nothing missing: nothing done
+
+
 def test_a_hand_written_endpoint_file_is_not_waited_on_for_long(tmp_path, monkeypatch):
     """An endpoint file written by hand names no launcher: no server is starting behind it, so
     the wait is the short one (shortened further here), and the error says why."""
@@ -663,3 +685,24 @@ def test_a_hand_written_endpoint_file_is_not_waited_on_for_long(tmp_path, monkey
     with pytest.raises(endpoint.EndpointError, match="names no launcher, so no server is start"):
         endpoint.wait_until_ready(f"http://127.0.0.1:{port}/v1", endpoint_file=file)
     assert time.monotonic() - start < 10
+
+
+def test_sigterm_inside_numba_is_the_stop_not_a_tool_error(baseline, small_input, tmp_path):
+    """SIGTERM while scanpy's numba kernel runs (under rank_genes_groups): numba turns the
+    handler's exception into a SystemError on return, which the tool raises. A stop was pending,
+    so that is the signal's doing, not the tool's: the call is not in the record, the run ends
+    interrupted (128+15), and the rerun resumes to the uninterrupted run's record."""
+    outdir, marker = tmp_path / "out", tmp_path / "sigterm-happened"
+    cmd = run_cmd(small_input, outdir, sample=SAMPLE, module="tests.signal_agent")
+    env = {**ENV, "SIGTERM_ONCE": str(marker)}
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert marker.exists() and first.returncode == 128 + signal.SIGTERM, first.stderr
+    world = WorldState.load(SampleLayout(outdir).record_copy)
+    assert world.meta["status"] == "interrupted", world.meta
+    assert [e for e in world.entries if e.status != "ok"] == [], "a stop recorded as an error"
+    assert world.entries and world.entries[-1].tool != "rank_genes_groups"
+    assert facts(world) == facts(baseline)[: len(world.entries)]
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming after step {len(world.entries)}" in again.stderr
+    assert facts(WorldState.load(outdir / "world_state.json")) == facts(baseline)

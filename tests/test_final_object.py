@@ -15,7 +15,7 @@ def final(session_at, reference_stages) -> tuple[ad.AnnData, dict]:
     session = session_at("plot")  # the last step before finish
     out = call(session, "finish", conclusion="test")
     assert out.ok, out.error
-    results = {tool: result for tool, (_, _, result) in reference_stages.items()}
+    results = {tool: result for tool, (_, _, result, _) in reference_stages.items()}
     return ad.read_h5ad(session.layout.final), results
 
 

@@ -296,3 +296,23 @@ def test_record_format_and_records_written_before_rejected_arguments(tmp_path):
     entry = Entry.from_json(old)
     assert (entry.params, entry.rejected_arguments) == ({}, '{"n": 99}')
     assert 'add({"n": 99})' in WorldState(entries=[entry]).render()
+
+
+def test_calls_after_finish_in_its_reply_are_refused_and_each_call_has_its_own_digests(tmp_path):
+    """[add, finish, add] in one reply: the first add runs and is recorded with the data around
+    it alone; finish ends the run; the last add is refused, not run, and recorded as refused."""
+    reply = Decision(
+        [ToolCall("a", "add", '{"n": 2}'), ToolCall("b", "finish", "{}"),
+         ToolCall("c", "add", '{"n": 5}')],
+        usage=Usage(100, 10, 50),
+    )  # fmt: skip
+    status, world, _, _ = go(Scripted(reply), tmp_path)
+    assert status == "finished"
+    first, done, after = world.entries
+    assert (first.digest_before, first.digest_after) == ("v0", "v2")
+    assert done.result == {"final": 2} and (done.digest_before, done.digest_after) == ("v2", "v2")
+    assert after.status == "error" and after.rejected_arguments == '{"n": 5}'
+    assert after.digest_after == "v2" and "nothing runs after finish" in after.error
+    (refused,) = after.result["checks"]
+    assert refused["rule"] == "after_finish" and refused["verdict"] == "refused"
+    assert refused["evidence"] == {"finish_step": 2}

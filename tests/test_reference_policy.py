@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.policies.reference import RECIPE, ReferencePolicy
+from agent.policies.reference import RECIPE, ReferencePolicy, _option_holds
 from agent.tools import build_registry
 from tests.fixtures_data import recovery, run_reference
 
@@ -45,16 +45,18 @@ class World:
         self.entries: list[SimpleNamespace] = []
         self.meta = meta or {}  # the run's options (--layer, --gene-symbols) as the record has them
 
-    def record(self, decision, ok: bool = True, invalid: bool = False) -> dict:
+    def record(
+        self, decision, ok: bool = True, invalid: bool = False, failed: dict | None = None
+    ) -> dict:
         """Record the call as the loop would: params validated (defaults filled), or as sent
-        when validation failed (``invalid``)."""
+        when validation failed (``invalid``); ``failed``: a refused call's result (its check)."""
         call = decision.calls[0]
         params = orjson.loads(call.arguments)
         recorded = {} if invalid else REGISTRY.validate(call.name, params)
         self.entries.append(SimpleNamespace(
             step=len(self.entries) + 1, tool=call.name, params=recorded,
             rejected_arguments=call.arguments if invalid else None,
-            status="ok" if ok else "error", result=RESULTS.get(call.name, {}) if ok else None,
+            status="ok" if ok else "error", result=RESULTS.get(call.name, {}) if ok else failed,
             error=None if ok else f"{call.name} broke",
         ))  # fmt: skip
         return params
@@ -111,11 +113,11 @@ def test_happy_sequence_uses_earlier_results():
     assert "ambiguous: cluster 3 CD4 T|CD8 T" in conclusion and "weak structure" in conclusion
     assert "Unknown: cluster 5 (best B: detection 12% < 25%)" in conclusion
     # every step but those for a run option this run did not set (a CellTypist model)
-    assert len(calls) == len([s for s in RECIPE if not (s.option and s.option[1])])
+    assert len(calls) == len([s for s in RECIPE if not s.option or _option_holds(s.option, {})])
 
 
 def run_until_done(
-    world: World, fails: set[str], invalid: bool = False, limit: int = 60
+    world: World, fails: set[str], invalid: bool = False, limit: int = 60, results=None
 ) -> list[str]:
     names = []
     for _ in range(limit):
@@ -124,7 +126,10 @@ def run_until_done(
             return names
         name = decision.calls[0].name
         names.append(name)
-        world.record(decision, ok=name not in fails, invalid=invalid and name in fails)
+        failed = (results or {}).get(name)
+        world.record(
+            decision, ok=name not in fails, invalid=invalid and name in fails, failed=failed
+        )
         if name == "finish" and name not in fails:
             return names
     raise AssertionError(f"no end after {limit} calls: {names}")
@@ -153,13 +158,38 @@ def test_failed_required_step_ends_with_finish():
     names = run_until_done(world, fails={"pca"})
     assert names.count("pca") == 2 and names[-1] == "finish" and "neighbors" not in names
     assert "stopped early: pca failed" in world.entries[-1].params["conclusion"]
+    assert world.entries[-1].params["partial"].startswith("pca failed")  # a partial analysis
+
+
+def test_finish_refused_as_incomplete_ends_partial_naming_the_stages():
+    """finish refused for stages the recipe could not reach: the conclusion again, with the
+    stages the refusal names as the partial reason."""
+    world = World()
+    refusal = {
+        "checks": [
+            {
+                "rule": "complete",
+                "verdict": "refused",
+                "message": "m",
+                "evidence": {"missing": {"labels": "not done (annotate_clusters)"}},
+            }
+        ]
+    }
+    names = run_until_done(world, fails={"finish"}, limit=60, results={"finish": refusal})
+    assert names.count("finish") == 3  # the conclusion, the fallback, then partial
+    last = world.entries[-1].params
+    assert (
+        last["partial"]
+        == "the reference recipe could not reach: labels (not done (annotate_clusters))"
+    )
+    assert "Leiden clusters" in last["conclusion"]
 
 
 def test_unloadable_input_and_unfinishable_run_stop_without_a_call():
     assert run_until_done(World(), fails={"load_data"}) == ["load_data"]
     world = World()
     names = run_until_done(world, fails={"finish"})
-    assert names.count("finish") == 2
+    assert names.count("finish") == 3  # the conclusion, the fallback, partial
     assert "cannot go on" in decide(world).text
 
 

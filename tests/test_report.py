@@ -22,6 +22,7 @@ from agent.cli import main as cli
 from agent.report.drift import robust_flags
 from agent.report.truth import score
 from agent.world_state import WorldState
+from tests.fixtures_report import CARELESS_REASON
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Copies of the demo record with one QC threshold changed; "drifty" also kept few cells.
@@ -88,7 +89,31 @@ def _failed_run(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cohort(demo_run, demo_replay, tmp_path_factory) -> Cohort:
+def evaluation(tmp_path_factory) -> Path:
+    """A real `agent eval` (the reference recipe on the tiny case, seconds): eval.json, eval.html."""
+    outdir = tmp_path_factory.mktemp("eval")
+    argv = ["eval", "--policy", "reference", "--cases", "synthetic_tiny", "--end-to-end", "none"]
+    assert cli([*argv, "--outdir", str(outdir)]) == 0
+    return outdir / "eval.json"
+
+
+def evaluated(evaluation: Path, folder: Path, **model: str) -> Path:
+    """The evaluation as one through an endpoint file names its model (agent/eval/run.py _model),
+    in ``folder`` with its page."""
+    doc = orjson.loads(evaluation.read_bytes())
+    doc["model"] = {"policy": "llm", "model": "qwen", "flags": [], **model}
+    folder.mkdir(parents=True)
+    shutil.copy(evaluation.with_name("eval.html"), folder / "eval.html")
+    (folder / "eval.json").write_bytes(orjson.dumps(doc))
+    return folder / "eval.json"
+
+
+# The model copy_a's record names (LLM_META), as an evaluation through its server names it.
+SAME_MODEL = {k: LLM_META["server"][k] for k in ("model_id", "revision", "vllm_version")}
+
+
+@pytest.fixture(scope="module")
+def cohort(demo_run, demo_replay, evaluation, tmp_path_factory) -> Cohort:
     root = tmp_path_factory.mktemp("cohort")
     samples = root / "samples"
     states = {"pbmc2": demo_run.world_state}
@@ -102,6 +127,7 @@ def cohort(demo_run, demo_replay, tmp_path_factory) -> Cohort:
     outdir = root / "report"
     argv = ["report", "--world-states", *map(str, states.values()), "--outdir", str(outdir)]
     argv += ["--replays", str(demo_run.outdir / "replay.json"), "--workflow-root", "."]
+    argv += ["--eval", str(evaluated(evaluation, root / "eval", **SAME_MODEL))]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert cli(argv) == 0
@@ -130,6 +156,9 @@ def test_table_has_a_row_per_sample_with_the_recorded_numbers(cohort, demo_run, 
     assert 0 <= float(row["doublet_recall"]) <= 1 and int(row["doublets_removed"]) > 0
     assert "CD14 Mono" in row["labels"]
     assert row["prompt_tokens"] == "" and row["model"] == ""  # no model behind the reference
+    checks = (row["checks_worst"], row["checks_refused"], row["checks_warn"], row["checks_from"])
+    assert checks == ("pass", "0", "0", "record")  # the reference recipe passes its checks
+    assert cohort.table["lost"]["checks_from"] == ""  # no record, no checks
     assert cohort.table["copy_a"]["replay"] == "not replayed"
 
 
@@ -238,7 +267,9 @@ def test_index_is_compact_and_links_a_page_per_sample(cohort):
     pages = {h for h in links if h.startswith("samples/")}
     assert pages == {f"samples/{name}.html" for name in cohort.table}
     assert all(
-        h.startswith("#") or h in pages or h in ("cohort.tsv", "ro-crate/ro-crate-metadata.json")
+        h.startswith("#")
+        or h in pages
+        or h in ("cohort.tsv", "ro-crate/ro-crate-metadata.json", "eval.html")
         for h in links
     )
     assert html.count('<tr class="failed') == 3
@@ -327,6 +358,62 @@ def test_ro_crate_links_inputs_records_outputs_and_versions(cohort, demo_run):
     )
     assert {m["@id"] for m in root["mentions"]} >= {"#cohort-run", "#analyze-pbmc2"}
     assert ROCrate(crate_dir).get("#cohort-run") is not None  # the library reads it back
+
+
+def test_the_evaluation_of_the_samples_model_is_copied_linked_and_in_the_crate(cohort):
+    """copy_a's model (model id and revision) is the one the evaluation names: its score is linked
+    from the index, its files copied beside it, and the crate has it as an action."""
+    revision = LLM_META["server"]["revision"]
+    link = re.search(r'<a id="evaluation" href="eval.html">([^<]*)</a> of ([^(]*) \(([^)]*)\)',
+                     cohort.html)  # fmt: skip
+    assert link is not None
+    assert link.groups() == (
+        "score 1.00", f"Qwen/Qwen3.6-27B at {revision}", "matched on model id and revision"
+    )  # fmt: skip
+    source = cohort.outdir.parent / "eval"
+    for name in ("eval.json", "eval.html"):
+        assert (cohort.outdir / name).read_bytes() == (source / name).read_bytes()
+    graph = {e["@id"]: e for e in orjson.loads(
+        (cohort.outdir / "ro-crate" / "ro-crate-metadata.json").read_bytes())["@graph"]}  # fmt: skip
+    action = graph["#evaluate-model"]
+    assert {r["@id"] for r in action["result"]} == {"eval.json", "eval.html"}
+    assert action["name"].startswith(f"evaluation of Qwen/Qwen3.6-27B at {revision}: score 1")
+    assert "#evaluate-model" in {m["@id"] for m in graph["./"]["mentions"]}
+
+
+def test_another_models_evaluation_is_named_not_linked(careless_run, evaluation, tmp_path):
+    """The careless run asked the model served as 'scripted' (no endpoint file, so no model id):
+    an evaluation of Qwen at a revision is another model's, named so, not copied (an earlier
+    report's copies go), linked or in the crate; one of the server 'scripted' matches on that
+    name only, and says so; the reference recipe's evaluated no model."""
+    from agent.report import build_report
+    from agent.report.collect import load_sample
+    from agent.report.evaluation import include
+
+    record = careless_run / "world_state.json"
+    (tmp_path / "eval.json").write_text("an earlier report's copy")
+    other = evaluated(evaluation, tmp_path / "other", **SAME_MODEL)
+    build_report([record], [], tmp_path, evaluation=other)
+    html = (tmp_path / "index.html").read_text()
+    revision = LLM_META["server"]["revision"]
+    said = (
+        f"score 1.00 of Qwen/Qwen3.6-27B at {revision}, not linked: another model (the samples' "
+        "model is scripted)"
+    )
+    assert f'<span id="evaluation">{html_escape(said)}</span>' in html
+    assert 'href="eval.html"' not in html
+    assert not (tmp_path / "eval.json").exists() and not (tmp_path / "eval.html").exists()
+    graph = orjson.loads((tmp_path / "ro-crate" / "ro-crate-metadata.json").read_bytes())
+    assert "#evaluate-model" not in {e["@id"] for e in graph["@graph"]}
+
+    samples = [load_sample(record, None, None)]
+    (tmp_path / "copies").mkdir()
+    by_name = include(evaluated(evaluation, tmp_path / "by_name", model="scripted"), samples,
+                      tmp_path / "copies")  # fmt: skip
+    assert by_name.linked and by_name.basis == "the served model's name only"
+    reference = include(evaluation, samples, tmp_path / "none")
+    assert not reference.linked and reference.model == "the reference recipe (no model)"
+    assert not (tmp_path / "none" / "eval.json").exists()
 
 
 def test_duplicate_sample_names_are_refused(demo_run, tmp_path, capsys):
@@ -462,3 +549,219 @@ def test_index_of_1000_samples_in_headless_chromium(cohort_1000, tmp_path):
     _check_table(measured)
     assert len(measured["sorted"]) == 1000
     assert measured["filtered"] == ["s012"] and measured["shown"] == "1"
+
+
+# The checks of a careless model's run (tests/fixtures_report.py careless_run): in a one-sample
+# report, and beside copies of its record that lack checks.
+
+
+@dataclass(frozen=True)
+class Report:
+    outdir: Path
+    table: dict[str, dict[str, str]]
+    html: str
+
+    def page(self, name: str) -> str:
+        return (self.outdir / "samples" / f"{name}.html").read_text()
+
+    def graph(self) -> dict[str, dict]:
+        doc = orjson.loads((self.outdir / "ro-crate" / "ro-crate-metadata.json").read_bytes())
+        return {e["@id"]: e for e in doc["@graph"]}
+
+
+def _report(world_states: list[Path], outdir: Path) -> Report:
+    from agent.report import build_report
+
+    build_report(world_states, [], outdir)
+    with open(outdir / "cohort.tsv", newline="") as f:
+        table = {r["sample"]: r for r in csv.DictReader(f, delimiter="\t")}
+    return Report(outdir, table, (outdir / "index.html").read_text())
+
+
+@pytest.fixture(scope="module")
+def careless(careless_run, tmp_path_factory) -> tuple[WorldState, Report]:
+    """The careless run's record and its one-sample report."""
+    report = _report([careless_run / "world_state.json"], tmp_path_factory.mktemp("careless_r"))
+    return WorldState.load(careless_run / "world_state.json"), report
+
+
+def test_a_careless_one_sample_report_names_its_checks_and_partial(careless):
+    world, report = careless
+    checks = world.meta["checks"]
+    flagged = [c for c in checks if c["verdict"] != "pass"]
+    rules = {c["rule"] for c in flagged}
+    assert world.meta["status"] == "partial"
+    assert {"removed_share", "filter_repeated", "ambiguous_labels", "conclusion"} <= rules
+    html = report.html
+    assert "No failed or partial sample" not in html and "No failed sample" not in html
+    look_at = html.split('id="flags"')[1].split('id="figures"')[0]
+    assert ">careless</a>:" in look_at and CARELESS_REASON in look_at  # why it is partial
+    for c in flagged:  # every check that warned or was refused, with its message and its link
+        assert f"{c['verdict']} {c['rule']}</a>" in look_at
+        assert html_escape(c["message"])[:100] in look_at
+    links = re.findall(r'href="samples/careless\.html#(check-\d+)"', look_at)
+    assert len(links) == len(flagged)
+    # partial is amber and counted apart from finished and failed, its reason in the row
+    assert '<span class="badge warn" title="partial analysis: ' in html
+    by_label = {label: int(n) for n, label in re.findall(
+        r'<div class="n">(\d+)</div><div class="l">([^<]+)</div>', html)}  # fmt: skip
+    assert by_label["finished"] == 0 and by_label["partial"] == 1 and by_label["failed"] == 0
+    assert by_label["checks warned or refused"] == 1
+    assert '<tr class="partial flagged checked unreplayed">' in html
+    worst = "refused" if "refused" in {c["verdict"] for c in checks} else "warn"
+    counts = {v: sum(c["verdict"] == v for c in checks) for v in ("refused", "warn")}
+    assert f'class="v {"bad" if worst == "refused" else "warn"}"' in html
+    assert f">{counts['refused']} refused, {counts['warn']} warn<" in html
+
+    row = report.table["careless"]
+    assert row["status"] == "partial" and row["error"] == world.meta["error"]
+    assert (row["checks_worst"], row["checks_from"]) == (worst, "record")
+    assert (int(row["checks_refused"]), int(row["checks_warn"])) == (
+        counts["refused"], counts["warn"],
+    )  # fmt: skip
+    assert set(row["checks_rules"].split("; ")) == rules
+
+
+def test_the_sample_page_lists_checks_worst_first_linked_to_their_steps(careless):
+    world, report = careless
+    page = report.page("careless")
+    assert page.index('<table class="checks">') < page.index('<dl class="meta">')  # at the top
+    rows = re.findall(r'<tr id="(check-\d+)" class="(pass|warn|refused)">', page)
+    assert len(rows) == len(world.meta["checks"])
+    verdicts = [v for _, v in rows]
+    assert verdicts == sorted(verdicts, key=["refused", "warn", "pass"].index)
+    steps = set(re.findall(r'<tr id="step-(\d+)"', page))
+    assert steps == {str(e.step) for e in world.entries}
+    for check_id, _ in rows:  # each row names its step, which is a row of the steps table
+        cell = page.split(f'<tr id="{check_id}"')[1].split("</tr>")[0]
+        step = re.search(r'href="#step-(\d+)"', cell)
+        assert step and step.group(1) in steps
+    refused = next(c for c in world.meta["checks"] if c["verdict"] == "refused")
+    step_row = page.split(f'<tr id="step-{refused["step"]}"')[1].split("</tr>")[0]
+    assert f">refused: {refused['rule']}</a>" in step_row  # and back from the step
+    assert "<details open>" in page  # the steps are open where a check points into them
+
+
+def test_the_annotations_doubts_are_shown_beside_the_labels(careless):
+    world, report = careless
+    annotation = world.last_ok("annotate_clusters").result
+    assert annotation["ambiguous"] and annotation["unknown"]  # the scenario makes both
+    flags = report.page("careless").split('id="label-flags">')[1].split("</ul>")[0]
+    for cluster, pair in annotation["ambiguous"].items():
+        best, runner_up = pair.split("|")
+        assert re.search(
+            rf">ambiguous</span> cluster {cluster} \({re.escape(html_escape(best))}\): "
+            rf"{re.escape(html_escape(best))} or the runner-up {re.escape(html_escape(runner_up))}",
+            flags,
+        )
+    for cluster, reason in annotation["unknown"].items():
+        assert f">Unknown</span> cluster {cluster} (Unknown): {html_escape(reason)}" in flags
+
+
+def test_a_repeated_filter_shows_its_effective_thresholds_flagged(careless):
+    world, report = careless
+    calls = [e for e in world.entries if e.tool == "filter_genes" and e.status == "ok"]
+    assert [e.params["min_cells"] for e in calls] == [10, 1]
+    assert report.table["careless"]["filter_genes.min_cells"] == "10"  # the strictest, in force
+    cell = report.page("careless").split("<td>filter_genes</td><td>min_cells</td>")[1]
+    assert cell.startswith(
+        '<td class="f" title="in force: the strictest of 2 applications of '
+        f'filter_genes (steps {calls[0].step}, {calls[1].step})">10</td>'
+    )
+
+
+def test_the_ro_crate_carries_the_checks(careless):
+    world, report = careless
+    graph = report.graph()
+    action = graph["#analyze-careless"]
+    assert action["actionStatus"]["@id"].endswith("FailedActionStatus")  # partial: not complete
+    assert action["error"] == world.meta["error"]
+    results = [graph[r["@id"]] for r in action["result"] if r["@id"] in graph]
+    (listed,) = [r for r in results if r["@id"] == "samples/careless/checks.json"]
+    doc = orjson.loads((report.outdir / "ro-crate" / listed["@id"]).read_bytes())
+    assert doc["source"] == "record"
+    key = lambda c: orjson.dumps(c, option=orjson.OPT_SORT_KEYS)  # noqa: E731
+    assert sorted(map(key, doc["checks"])) == sorted(map(key, world.meta["checks"]))
+    values = [r for r in results if r.get("@type") == "PropertyValue"]
+    flagged = [c for c in world.meta["checks"] if c["verdict"] != "pass"]
+    assert sorted((v["value"], v["description"]) for v in values) == sorted(
+        (c["verdict"], c["message"]) for c in flagged
+    )
+
+
+def test_records_without_checks_get_them_computed_and_say_so(careless_run, tmp_path):
+    """A record whose run did not conclude (no meta.checks) gets the very checks its run would
+    have written; one made before checks existed (none in its steps either) those its steps
+    show, marked computed, never a plain pass."""
+    doc = orjson.loads((careless_run / "world_state.json").read_bytes())
+    states = []
+    for name in ("unconcluded", "old"):
+        copy = orjson.loads(orjson.dumps(doc))
+        copy["meta"]["sample"] = name
+        del copy["meta"]["checks"]
+        for e in copy["entries"] if name == "old" else ():
+            if isinstance(e["result"], dict):
+                e["result"].pop("checks", None)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "world_state.json").write_bytes(orjson.dumps(copy))
+        states.append(tmp_path / name / "world_state.json")
+    report = _report(states, tmp_path / "report")
+    unconcluded, old = report.table["unconcluded"], report.table["old"]
+    assert unconcluded["checks_from"] == old["checks_from"] == "computed"
+    recorded = doc["meta"]["checks"]
+    assert int(unconcluded["checks_warn"]) == sum(c["verdict"] == "warn" for c in recorded)
+    assert int(unconcluded["checks_refused"]) == sum(c["verdict"] == "refused" for c in recorded)
+    # a record before checks: only what its steps show (doubtful labels, the repeated filter)
+    assert set(old["checks_rules"].split("; ")) == {"ambiguous_labels", "filter_repeated"}
+    assert old["filter_genes.min_cells"] == "10"
+    for name in ("unconcluded", "old"):
+        page = report.page(name)
+        assert 'id="checks-computed">computed by the report from the record' in page
+        assert "(computed)</span></h3>" in page
+    assert ">2 warn (computed)</td>" in report.html
+
+
+def html_escape(text: str) -> str:
+    """As the pages' templates escape it (Jinja's autoescape)."""
+    from markupsafe import escape
+
+    return str(escape(text))
+
+
+def test_label_flags_name_each_kind_of_doubt():
+    """The flags the page lists beside the labels, from results shaped as the annotation tools
+    return them: a score margin, a lineage without its subtype, CellTypist's weak clusters."""
+    from types import SimpleNamespace
+
+    from agent.report.checks import label_flags
+
+    markers = {
+        "ambiguous": {"3": "CD4 T|CD8 T"},
+        "unknown": {},
+        "clusters": {
+            "3": {"label": "CD4 T", "score": 0.42, "runner_up": "CD8 T", "margin": 0.05},
+            "4": {"label": "T", "subtype_unknown": "best CD8 T: detected in 12% < 25%"},
+        },
+    }
+    celltypist = {
+        "weak_clusters": ["0", "9"],
+        "rule": "a label needs vote share >= 0.5 and mean confidence >= 0.5",
+        "clusters": {"0": {"label": "Unknown", "majority": "NK", "vote_share": 0.4,
+                           "mean_confidence": 0.3}},
+    }  # fmt: skip
+    entries = [
+        SimpleNamespace(tool="annotate_clusters", status="ok", step=5, result={"ambiguous": {}}),
+        SimpleNamespace(tool="annotate_clusters", status="ok", step=7, result=markers),
+        SimpleNamespace(tool="annotate_celltypist", status="error", step=8, result=None),
+        SimpleNamespace(tool="annotate_celltypist", status="ok", step=9, result=celltypist),
+    ]
+    flags = [
+        (f["step"], f["cluster"], f["flag"], f["label"], f["detail"]) for f in label_flags(entries)
+    ]
+    assert flags == [
+        (7, "3", "ambiguous", "CD4 T", "CD4 T or the runner-up CD8 T (score 0.42, margin 0.05)"),
+        (7, "4", "lineage only", "T", "best CD8 T: detected in 12% < 25%"),
+        (9, "0", "weak", "Unknown", "majority NK, vote share 0.4, mean confidence 0.3; "
+         + celltypist["rule"]),
+        (9, "9", "weak", None, "weak evidence (the cluster is not listed in the result)"),
+    ]  # fmt: skip

@@ -16,11 +16,11 @@ import pytest
 from agent import layout as layout_names
 from agent.config import RunConfig
 from agent.context import TokenCounter
+from agent.digest import DIGEST_VERSION
 from agent.layout import SampleLayout
 from agent.replay import replay
 from agent.runner import _brief, run_sample
 from agent.tools import build_registry
-from agent.tools.session import DIGEST_VERSION
 from agent.world_state import WorldState
 
 SCHEMA = json.loads(
@@ -59,7 +59,7 @@ def test_an_llm_run_records_the_digest_of_the_prompt_it_sent(small_input, tmp_pa
     import orjson
 
     from agent.runner import prompt_digest
-    from tests.fixtures_scripted import ScriptedServer
+    from agent.testing.scripted_server import ScriptedServer
 
     server = ScriptedServer(max_model_len=65536)  # the tool schemas alone exceed 8K test tokens
     server.script = [{"tool": "load_data", "arguments": "{}"}]
@@ -441,3 +441,15 @@ def test_another_model_is_refused_once_the_policy_is_set_up():
     refuse_another_model(layout, _record("failed", model="b"), wanted, 10, "b")
     with pytest.raises(CannotReuse, match=r"\(failed\) made with other settings: model 'a' \(th"):
         refuse_another_model(layout, _record("failed", model="a"), wanted, 10, "b")
+
+
+def test_a_record_from_before_a_setting_existed_matches_its_value_then():
+    """A record written before the doublets setting existed was a run that removed doublets:
+    kept under 'remove', redone under 'flag'."""
+    from agent.resume import differences
+
+    earlier = {"sample": "s", "seed": 0}
+    assert differences(earlier, {"sample": "s", "seed": 0, "doublets": "remove"}) == []
+    assert differences(earlier, {"sample": "s", "seed": 0, "doublets": "flag"}) == [
+        "doublets 'remove' (this run: 'flag')"
+    ]

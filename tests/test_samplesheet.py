@@ -87,3 +87,20 @@ def test_the_wording_is_built_from_the_schema_rule_not_a_message(tmp_path):
         path = sheet(tmp_path, f"sample\tpath\t{header}\na\tp\t{value}\n")
         with pytest.raises(SampleSheetError, match=re.escape(expected)):
             load_sheet(path, made_by_workflow=lambda p: True, schema=schema)
+
+
+def test_columns_config_names_are_read_as_text_and_others_refused(tmp_path):
+    """A condition under another column name (config conditions.column) is allowed where named,
+    its values free text; the cohort steps read every column (sample_cells)."""
+    from agent.samplesheet import sample_cells
+
+    path = sheet(tmp_path, "sample\tpath\ttreatment\tcondition\na\tmade/a\tIFN-b 2\tctrl\n")
+    got = load_sheet(path, made_by_workflow=lambda p: True, extra_columns=["treatment"])
+    assert got.rows == [
+        {"sample": "a", "path": "made/a", "treatment": "IFN-b 2", "condition": "ctrl"}
+    ]
+    with pytest.raises(SampleSheetError, match="column 'treatment': unknown column"):
+        load_sheet(path, made_by_workflow=lambda p: True)
+    assert sample_cells(path) == {
+        "a": {"path": "made/a", "treatment": "IFN-b 2", "condition": "ctrl"}
+    }

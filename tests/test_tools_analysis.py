@@ -284,7 +284,7 @@ def test_plot_errors(session_at):
 def test_every_tool_has_a_schema_with_descriptions():
     schemas = build_registry().schemas()
     assert [s["function"]["name"] for s in schemas] == [t.__name__ for t in TOOLS]
-    assert len(schemas) == 23
+    assert len(schemas) == 24
     for s in schemas:
         fn = s["function"]
         assert fn["description"], fn["name"]

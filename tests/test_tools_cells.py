@@ -3,7 +3,9 @@
 
 The unfiltered matrix is pbmc68k_reduced's 700 real PBMCs (counts rebuilt as
 tests/fixtures_realdata.py does) plus 20,000 empty droplets: multinomial draws of 1-100 UMIs from
-the pooled counts of those same cells, the ambient RNA a droplet catches when the cells lyse.
+the pooled counts of those same cells, the ambient RNA a droplet catches when the cells lyse
+(agent/testing/droplets.py). The calls are compared with DropletUtils' in
+test_cells_dropletutils.py.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import pytest
 from scipy import sparse
 
 from agent.config import RunConfig
-from agent.policies.reference import _conclusion, _doublet_rate
+from agent.policies.reference import _conclusion
 from agent.runner import run_sample
-from agent.tools.cells import dm_loglik, mc_pvalues
+from agent.testing.droplets import Droplets, is_cell, unfiltered
+from agent.tools.emptydrops import count_at_or_below, dm_loglik
 from agent.tools.session import Session
 from agent.world_state import WorldState
 from tests.fixtures_data import call_tool as call
@@ -36,23 +39,18 @@ def _real_cells() -> ad.AnnData:
     return real.read(source)[0]
 
 
-def _empties(cells: ad.AnnData, n: int, seed: int) -> ad.AnnData:
-    """Droplets of ambient RNA only: 1-100 UMIs drawn from the cells' pooled profile."""
-    rng = np.random.default_rng(seed)
-    pooled = np.asarray(cells.X.sum(axis=0)).ravel()
-    draws = rng.multinomial(rng.integers(1, 101, n), pooled / pooled.sum())
-    empty = ad.AnnData(sparse.csr_matrix(draws.astype(np.float32)))
-    empty.obs_names, empty.var_names = [f"EMPTY{i}" for i in range(n)], cells.var_names
-    return empty
+def _unfiltered(cells: ad.AnnData, how: Droplets, path: Path) -> Path:
+    unfiltered(cells, how).write_h5ad(path)
+    return path
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("droplets")
     cells = _real_cells()
-    paths = {"filtered": folder / "filtered.h5ad", "unfiltered": folder / "unfiltered.h5ad"}
+    paths = {"filtered": folder / "filtered.h5ad"}
     cells.write_h5ad(paths["filtered"])
-    ad.concat([cells, _empties(cells, N_EMPTY, seed=0)]).write_h5ad(paths["unfiltered"])
+    paths["unfiltered"] = _unfiltered(cells, Droplets(N_EMPTY), folder / "unfiltered.h5ad")
     return paths
 
 
@@ -79,6 +77,12 @@ def test_unfiltered_droplets_keep_the_cells_and_record_the_evidence(inputs, tmp_
     assert r["n_cells"] >= 0.95 * 700 and _empty_share(session.adata) <= 0.01
     assert r["ambient"]["barcodes"] == N_EMPTY and len(r["ambient"]["top_genes"]) == 10
     assert (r["fdr_threshold"], r["lower"], r["iterations"], r["seed"]) == (0.001, 100, 10_000, 0)
+    # the p-values' floor reached some barcodes, all called: no need for more iterations
+    assert r["limited"] > 0 and r["limited_not_called"] == 0 and r["warnings"] == []
+    assert r["not_called"]["barcodes"] == 0
+    assert r["reason"].endswith(
+        f"every barcode above the inflection ({evidence['inflection']} UMIs) was called"
+    )
     stored = session.adata.uns["cell_calling"]
     assert stored["decision"] == "unfiltered" and stored["retain"] == evidence["knee"]
     assert len(stored["curve"]["rank"]) == len(stored["curve"]["total"]) > 100
@@ -101,7 +105,8 @@ def test_a_filtered_matrix_passes_through_unchanged(inputs, tmp_path):
 
 def test_droplets_without_cells_are_refused_as_input(tmp_path):
     path = tmp_path / "ambient.h5ad"
-    _empties(_real_cells(), 5_000, seed=1).write_h5ad(path)
+    droplets = unfiltered(_real_cells(), Droplets(5_000, seed=1))
+    droplets[~is_cell(droplets.obs_names)].write_h5ad(path)
     config = RunConfig(input=path, outdir=tmp_path / "run", policy="reference")
     assert run_sample(config) == "input_refused"  # `agent run` exits 3: nothing analysed
     record = WorldState.load(config.outdir / "world_state.json")
@@ -153,16 +158,19 @@ def test_counts_in_raw_become_x_and_the_filters_work(tmp_path):
 
 
 def test_spatial_spots_are_named_and_skip_doublet_detection(tmp_path):
-    spots = _real_cells()[:200]
-    spots.obsm["spatial"] = np.random.default_rng(0).uniform(0, 6000, (200, 2))
+    spots = _real_cells()[:200].copy()
+    rows, cols = np.divmod(np.arange(200), 20)  # Visium's hexagonal grid, 100 pixels apart
+    spots.obsm["spatial"] = np.column_stack([cols * 100 + rows % 2 * 50, rows * 86.6])
     path = tmp_path / "visium.h5ad"
     spots.write_h5ad(path)
-    out = call(Session(tmp_path / "o", input_path=path), "load_data")
+    session = Session(tmp_path / "o", input_path=path)
+    out = call(session, "load_data")
     assert out.ok and out.result["modality"] == "spatial spots"
-    facts = {"load_data": out.result, "qc_metrics": {"n_cells": 200}}
-    assert _doublet_rate(lambda tool: facts.get(tool, {})) is None
+    skipped = call(session, "detect_doublets")  # the tool says why it calls none
+    assert skipped.ok and "spatial spots" in skipped.result["skipped"]
+    facts = {"load_data": out.result, "detect_doublets": skipped.result}
     conclusion = _conclusion(lambda tool: facts.get(tool, {}))["conclusion"]
-    assert "spatial spots: doublet detection skipped" in conclusion
+    assert skipped.result["skipped"] in conclusion
 
 
 def test_ambient_barcodes_get_uniform_p_values():
@@ -173,7 +181,50 @@ def test_ambient_barcodes_get_uniform_p_values():
     alpha, prop = 5.0, rng.dirichlet(np.ones(200))
     totals = rng.integers(50, 150, size=400)
     counts = [rng.multinomial(t, rng.dirichlet(alpha * prop)) for t in totals]
-    observed = dm_loglik(sparse.csr_matrix(np.array(counts, dtype=np.float32)), prop, alpha)
-    p = mc_pvalues(totals, observed, prop, alpha, 999, np.random.default_rng(1))
+    observed = dm_loglik(sparse.csr_matrix(np.array(counts)), prop, alpha)
+    below = count_at_or_below(totals, observed, prop, alpha, 999, np.random.default_rng(1))
+    p = (below + 1) / 1000
     assert 0.02 <= (p <= 0.05).mean() <= 0.09, (p <= 0.05).mean()
     assert 0.4 <= float(np.median(p)) <= 0.6, np.median(p)
+
+
+def test_iterations_grow_until_the_floor_no_longer_hides_cells(tmp_path):
+    """Real cells among empties of 5-300 UMIs: with 1,000 iterations the p-values' floor
+    (1/1,001), corrected over the thousands of empties above the ambient bound, misses the FDR,
+    so the iterations grow tenfold until no barcode at the floor is left uncalled; capped, the
+    last step goes to max_iterations itself, and the result says how many remain."""
+    path = _unfiltered(_real_cells(), Droplets(N_EMPTY, (5, 300), seed=2), tmp_path / "heavy.h5ad")
+    grown = call(_loaded(path, tmp_path / "grown"), "call_cells", iterations=1_000)
+    assert grown.ok and grown.result["iterations"] > 1_000
+    assert grown.result["limited_not_called"] == 0 and grown.result["n_cells"] >= 0.95 * 700
+    session = _loaded(path, tmp_path / "capped")
+    refused = call(session, "call_cells", iterations=2_000, max_iterations=1_000)
+    assert not refused.ok and "iterations=2,000 must not exceed max_iterations=1,000" in (
+        refused.error
+    )
+    capped = call(session, "call_cells", iterations=1_000, max_iterations=2_000)
+    assert capped.ok and capped.result["iterations"] == 2_000  # not the 1,000 of a tenfold step
+    stuck = capped.result["limited_not_called"]
+    assert stuck > 0 and capped.result["n_cells"] < grown.result["n_cells"]
+    assert f"{stuck:,} barcodes at the Monte-Carlo floor (1/2,001) miss FDR 0.001" in "".join(
+        capped.result["warnings"]
+    )
+
+
+def test_non_integer_counts_are_rounded_before_the_totals(tmp_path):
+    """DropletUtils rounds the matrix, then sums: estimated counts a third above their integers
+    must give the totals, the ambient pool and the calls of the integer counts (row sums of the
+    unrounded values lift the empties near lower above it). load_data refuses such values; the
+    tool holds to DropletUtils' order for whatever object it is given."""
+    path = _unfiltered(_real_cells(), Droplets(5_000, seed=3), tmp_path / "droplets.h5ad")
+    results = {}
+    for name, offset in (("integer", 0.0), ("estimated", 0.3)):
+        session = _loaded(path, tmp_path / name)
+        session.adata.X.data += offset
+        out = call(session, "call_cells")
+        assert out.ok, out.error
+        results[name] = (out.result, list(session.adata.obs_names))
+    (integer, kept), (estimated, kept_estimated) = results["integer"], results["estimated"]
+    assert estimated["evidence"] == integer["evidence"]
+    assert estimated["ambient"]["barcodes"] == integer["ambient"]["barcodes"] == 5_000
+    assert kept_estimated == kept

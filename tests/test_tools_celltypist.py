@@ -9,8 +9,14 @@ half, which the reference recipe analyses from its raw counts with the model as 
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -107,21 +113,97 @@ def test_provenance_in_result_and_uns(held_out_run: dict[str, Any]) -> None:
     assert uns["model"]["sha256"] == model["sha256"] and "rule" in uns
 
 
-def test_refuses_a_file_that_is_no_model(held_out_run: dict[str, Any]) -> None:
+@contextmanager
+def run_model(session: Session, path: Path | None, sha256: str | None = None) -> Iterator[None]:
+    """The module's session, for a call, as a run given ``path`` as its model (whose setting
+    is ``sha256``; None: not checked)."""
+    saved = session.celltypist_model, session.celltypist_model_sha256
+    session.celltypist_model = path.resolve() if path else None
+    session.celltypist_model_sha256 = sha256
+    try:
+        yield
+    finally:
+        session.celltypist_model, session.celltypist_model_sha256 = saved
+
+
+class RunsCode:
+    """A pickle that runs a command when loaded, as a planted "model" would."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_refuses_a_file_that_is_no_model(held_out_run: dict[str, Any], tmp_path: Path) -> None:
     session = held_out_run["session"]
-    (session.outdir / "notes.pkl").write_text("not a model")
-    outcome = call_tool(session, "annotate_celltypist", model_file="notes.pkl")
+    notes = tmp_path / "notes.pkl"
+    notes.write_text("not a model")
+    with run_model(session, notes):
+        outcome = call_tool(session, "annotate_celltypist")
     assert not outcome.ok and "is not a CellTypist model" in outcome.error, outcome.error
+    # and a run given it is refused before it starts, not analysed with marker labels instead
+    with pytest.raises(ValueError, match=f"--celltypist-model {notes} is not a CellTypist model"):
+        RunConfig(input=tmp_path, outdir=tmp_path / "out", celltypist_model=notes)
 
 
-def test_refuses_a_model_of_other_genes(held_out_run: dict[str, Any]) -> None:
+def test_refuses_a_model_of_other_genes(held_out_run: dict[str, Any], tmp_path: Path) -> None:
     counts, labels, train = pbmc_halves()
     session = held_out_run["session"]
     other = counts[train].copy()
     other.var_names = [f"Gm{i}" for i in range(other.n_vars)]  # no gene in common
-    train_model(other, labels[train], session.outdir / "other.pkl")
-    outcome = call_tool(session, "annotate_celltypist", model_file="other.pkl")
+    with run_model(session, train_model(other, labels[train], tmp_path / "other.pkl")):
+        outcome = call_tool(session, "annotate_celltypist")
     assert not outcome.ok and "0 of the model's 765 genes" in outcome.error, outcome.error
+
+
+def test_no_pickle_but_the_run_model_is_read_and_none_runs_code(
+    held_out_run: dict[str, Any], tmp_path: Path
+) -> None:
+    """A pickle in the output folder named by model_file, with or without a run model, is not
+    read; the run's model itself, were it such a pickle, is refused before it runs: by `agent
+    run` and `agent integrate` at once (exit 2, one line), and --help says why."""
+    session = held_out_run["session"]
+    marker = tmp_path / "ran"
+    planted = session.outdir / "planted.pkl"
+    planted.write_bytes(pickle.dumps(RunsCode(marker)))
+    for model in (None, held_out_run["model"]):
+        with run_model(session, model):
+            outcome = call_tool(session, "annotate_celltypist", model_file="planted.pkl")
+        assert not outcome.ok and "a model is a pickle, which can run code" in outcome.error
+    assert not marker.exists()
+    for command in (
+        ["run", "--input", str(session.input_path), "--outdir", str(tmp_path / "out")],
+        ["integrate", "--world-states", str(session.input_path), "--outdir", str(tmp_path)],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "agent", *command, "--celltypist-model", str(planted)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+        assert f"{planted} is not a CellTypist model: its pickle names posix.system" in out.stderr
+    assert not marker.exists()
+    helped = subprocess.run(
+        [sys.executable, "-m", "agent", "run", "--help"], capture_output=True, text=True
+    )
+    assert "pickle, which can run code when loaded" in " ".join(helped.stdout.split())
+
+
+def test_a_model_changed_during_the_run_is_refused(
+    held_out_run: dict[str, Any], tmp_path: Path
+) -> None:
+    """The run's model file replaced after the run began: its sha256 is checked at each use, so
+    the labels never come from another model than the one the record and crate name."""
+    session = held_out_run["session"]
+    model = tmp_path / "model.pkl"
+    shutil.copy(held_out_run["model"], model)
+    began = file_sha256(model)
+    train_model(*_other_half(), model)
+    with run_model(session, model, began):
+        outcome = call_tool(session, "annotate_celltypist")
+    assert not outcome.ok and f"{model.resolve()} changed since the run began" in outcome.error
+    assert f"the run's setting says {began}" in outcome.error
 
 
 def test_run_model_is_readable_other_files_outside_are_not(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from agent.data.synthetic import SampleSpec, simulate
 from agent.policies.reference import (
     RECIPE,
     ReferencePolicy,
-    _doublet_rate,
     _doublet_threshold,
 )
 from agent.tools.session import Session
@@ -24,12 +23,16 @@ from tests.fixtures_data import REGISTRY
 from tests.fixtures_data import call_tool as call
 
 
-def test_too_few_cells_are_refused_clearly(session_at):
+def test_too_few_cells_call_no_doublets_and_say_why(session_at):
+    """The doublet stage is reached (finish accepts it) with the tool's own reason, no data
+    changed."""
     session = session_at("filter_by_qc")
     session.adata = session.adata[:60].copy()
+    before = session.digest()
     out = call(session, "detect_doublets")
-    assert not out.ok
-    assert "at least 100 cells" in out.error and "have 60" in out.error and "skip" in out.error
+    assert out.ok and out.result["n_predicted_doublets"] == 0
+    assert "at least 100 cells" in out.result["skipped"] and "have 60" in out.result["skipped"]
+    assert session.digest() == before and "doublets" in session.stages
 
 
 def test_principal_components_shrink_to_a_small_sample(session_at):
@@ -101,9 +104,9 @@ def test_batches_keep_the_recall_of_one_call_under_one_threshold(planted, tmp_pa
     assert batched["threshold"] == round(pooled, 4)
 
 
-def _calls_until_normalize(cells_after_qc: int) -> list[str]:
-    """The reference policy's calls, each succeeding, when QC leaves ``cells_after_qc`` cells."""
-    results = {"qc_metrics": {"n_cells": 2000}, "filter_by_qc": {"cells_after": cells_after_qc}}
+def _calls_until_normalize(doublets: dict) -> list[str]:
+    """The reference policy's calls, each succeeding, when detect_doublets answers ``doublets``."""
+    results = {"qc_metrics": {"n_cells": 2000}, "detect_doublets": doublets}
     world, names = SimpleNamespace(entries=[], meta={}), []
     policy = ReferencePolicy(REGISTRY)
     while "normalize" not in names:
@@ -116,17 +119,17 @@ def _calls_until_normalize(cells_after_qc: int) -> list[str]:
     return names
 
 
-def test_recipe_skips_doublets_where_they_cannot_be_called():
-    assert "detect_doublets" not in _calls_until_normalize(80)
-    assert "remove_doublets" not in _calls_until_normalize(80)
-    assert {"detect_doublets", "remove_doublets"} <= set(_calls_until_normalize(1800))
+def test_recipe_asks_for_doublets_and_goes_on_where_the_tool_calls_none():
+    """The tool says where doublets cannot be called (too few cells, spots); the recipe then
+    neither draws their scores nor removes any."""
+    skipped = _calls_until_normalize({"skipped": "too few cells", "n_predicted_doublets": 0})
+    assert "detect_doublets" in skipped and "remove_doublets" not in skipped
+    called = _calls_until_normalize({"n_predicted_doublets": 12})
+    assert {"detect_doublets", "remove_doublets"} <= set(called)
 
 
-def test_threshold_fallback_is_not_sent_for_a_sample_too_small():
-    few = {"filter_by_qc": {"cells_after": 99}}
+def test_threshold_fallback_keeps_the_rate():
     many = {"filter_by_qc": {"cells_after": 2000}}
-    assert _doublet_rate(lambda t: few.get(t, {})) is None
-    assert _doublet_threshold(lambda t: few.get(t, {})) is None
     assert _doublet_threshold(lambda t: many.get(t, {})) == {
         "expected_doublet_rate": 0.06,
         "threshold": 0.25,
@@ -151,3 +154,59 @@ def test_doublet_figure_and_filter_settings_in_the_final_object(session_at):
     removal = uns["remove_doublets"]
     assert removal["threshold"] == round(float(uns["scrublet"]["threshold"]), 4)
     assert removal["cells_after"] == removal["cells_before"] - removal["removed"]
+
+
+@pytest.fixture(scope="module")
+def uniform() -> Any:
+    """150 synthetic B cells of one profile, no doublets planted: Scrublet's histogram minimum
+    calls about a third of them (issue 37: 27% and 14.5% on small uniform samples)."""
+    adata, truth = simulate(
+        SampleSpec("uniform", 150, seed=3, composition={"B": 1.0}, doublet_fraction=0,
+                   damaged_fraction=0, empty_fraction=0)
+    )  # fmt: skip
+    assert not truth["is_doublet"].any()
+    sc.pp.filter_genes(adata, min_cells=3)
+    return adata
+
+
+def test_an_automatic_call_far_above_the_expected_rate_is_bounded(uniform, tmp_path):
+    """With a given rate the call is bounded to twice it, flagged with both numbers, and kept in
+    uns; a threshold given is not bounded."""
+    session = Session(tmp_path, seed=0)
+    session.adata = uniform.copy()
+    out = call(session, "detect_doublets", expected_doublet_rate=0.06)
+    assert out.ok, out.error
+    r, bound = out.result, out.result["bound"]
+    assert r["bounded"] and bound["automatic_rate"] > 2 * 0.06, bound
+    assert bound["expected_rate"] == 0.06 and bound["expected_rate_from"] == "given"
+    assert r["n_predicted_doublets"] == bound["called"] <= 0.12 * 150
+    assert r["threshold"] == bound["threshold"] > bound["automatic_threshold"]
+    assert f"{bound['automatic_called']} of 150" in r["warnings"][0] and "6.0%" in r["warnings"][0]
+    stored = session.adata.uns["scrublet"]
+    assert stored["bound"]["automatic_called"] == bound["automatic_called"]
+    assert session.adata.obs["predicted_doublet"].sum() == bound["called"]
+    given = call(session, "detect_doublets", expected_doublet_rate=0.06, threshold=0.1)
+    assert given.ok and not given.result["bounded"]
+
+
+def test_the_default_rate_is_10x_for_the_cells_at_the_call(uniform, tmp_path):
+    """No rate given: 10x's 0.8% per 1,000 cells for the 150 cells here (0.12%), so the
+    automatic call is bounded to 2 x 0.12% x 150 = 0.36, no cell, where Scrublet's default 5%
+    allowed 10%."""
+    session = Session(tmp_path, seed=0)
+    session.adata = uniform.copy()
+    out = call(session, "detect_doublets")
+    assert out.ok, out.error
+    r = out.result
+    assert r["expected_doublet_rate"] == 0.0012 and "150 cells here" in r["expected_rate_from"]
+    assert r["bounded"] and r["bound"]["expected_rate"] == 0.0012
+    assert r["n_predicted_doublets"] == 0
+
+
+def test_remove_doublets_after_a_skipped_detection_removes_none_and_says_why(session_at):
+    session = session_at("filter_by_qc")
+    session.adata = session.adata[:60].copy()
+    assert call(session, "detect_doublets").ok
+    out = call(session, "remove_doublets")
+    assert out.ok and out.result["removed"] == 0, out.error
+    assert "at least 100 cells" in out.result["skipped"] and session.adata.n_obs == 60

@@ -393,6 +393,9 @@ def test_save_writes_inside_outdir_only(session_at):
     for bad, message in [
         ("../escape.h5ad", "leaves the sample's output folder"),
         ("x.csv", "must end in .h5ad"),
+        ("adata.h5ad", "written by finish"),  # only finish writes the final object
+        ("checkpoints/step_0004.h5ad", "hold checkpoints"),
+        ("previous/x/adata.h5ad", "hold checkpoints"),
     ]:
         out = call(session, "save", path=bad)
         assert not out.ok and message in out.error

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
+from agent.digest import digest_adata
 from agent.durable import atomic_write_h5ad
 from agent.registry import ToolError
 from agent.tools import build_registry
-from agent.tools.session import Session, digest_adata
+from agent.tools.session import Session
 
 SPECS = build_registry().specs()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures_cohort import check_demo_conditions
 from tests.fixtures_workflow import (
     DEMO_SAMPLES,
     REPO,
@@ -115,25 +116,23 @@ def test_demo_dry_run_plans_the_whole_cohort(workflow_dir: WorkflowDir):
     assert out.returncode == 0, out.stdout
     counts = job_counts(out.stdout)
     assert counts == {
-        "demo_data": 3,
-        "analyze": 3,
-        "replay": 3,
+        "demo_data": 6,
+        "analyze": 6,
+        "replay": 6,
         "compare": 1,
+        "cohort_composition": 1,
+        "cohort_de": 1,  # the demo sheet names conditions
         "report": 1,
         "all": 1,
     }
     commands = shell_commands(out.stdout, "analyze")
-    assert len(commands) == 3
+    assert len(commands) == 6
     for cmd in commands:
         assert "--policy reference" in cmd
         assert "--endpoint-file" not in cmd and "--base-url" not in cmd
     assert any("--input data/demo/pbmc1 " in cmd for cmd in commands)  # the 10x folder itself
     synth = shell_commands(out.stdout, "demo_data")
-    assert sorted(re.search(r"--sample (\S+)", c).group(1) for c in synth) == [
-        "pbmc1",
-        "pbmc2",
-        "pbmc3",
-    ]
+    assert sorted(re.search(r"--sample (\S+)", c).group(1) for c in synth) == list(DEMO_SAMPLES)
 
 
 def test_vllm_mode_shards_llm_samples_into_server_groups(workflow_dir: WorkflowDir, inputs: Path):
@@ -420,6 +419,7 @@ def test_demo_cohort_end_to_end_and_reprocessed_after_a_sheet_edit(workflow_dir:
     logs = "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in sorted(wd.glob("logs/*/*.log")))
     assert out.returncode == 0, out.stdout[-5000:] + logs
     check_cohort_outputs(wd)
+    check_demo_conditions(wd)  # the planted condition found by the composition and de jobs
     # a second run has nothing to do: outputs are complete and up to date
     again = workflow_dir.snakemake("--cores", "2", "-n")
     assert "Nothing to be done" in again.stdout, again.stdout
@@ -433,8 +433,11 @@ def test_demo_cohort_end_to_end_and_reprocessed_after_a_sheet_edit(workflow_dir:
     redo = workflow_dir.snakemake("--cores", "2", timeout=1200)
     assert redo.returncode == 0, redo.stdout[-5000:]
     counts = job_counts(redo.stdout)
-    assert counts == {"analyze": 1, "replay": 1, "compare": 1, "report": 1, "all": 1}, counts
-    assert all(records[s].read_bytes() == before[s] for s in ("pbmc1", "pbmc3"))
+    assert counts == {
+        "analyze": 1, "replay": 1, "compare": 1, "cohort_composition": 1, "cohort_de": 1,
+        "report": 1, "all": 1,
+    }, counts  # fmt: skip
+    assert all(records[s].read_bytes() == before[s] for s in DEMO_SAMPLES if s != "pbmc2")
     (previous,) = (wd / "results/samples/pbmc2/previous").glob("*/world_state.json")
     assert previous.read_bytes() == before["pbmc2"]
 
@@ -446,7 +449,7 @@ def test_demo_cohort_end_to_end_and_reprocessed_after_a_sheet_edit(workflow_dir:
     assert pbmc2["old_record"] == str(previous.resolve())
     assert pbmc2["new_record"] == str(records["pbmc2"].resolve())
     assert 0 <= float(pbmc2["same_label"]) <= 1 and int(pbmc2["shared_cells"]) > 0
-    for kept in ("pbmc1", "pbmc3"):  # never redone: nothing in previous/ to compare with
+    for kept in set(DEMO_SAMPLES) - {"pbmc2"}:  # never redone: nothing in previous/ to compare with
         assert compared[kept]["outcome"] == "not reprocessed", compared[kept]
     report = wd / "results" / "report"
     assert 'href="comparison.html"' in (report / "index.html").read_text()
@@ -492,6 +495,75 @@ def test_adding_a_sample_analyses_only_it_and_restarts_no_finished_shard(
     assert meta["server"]["revision"] == "main" and re.fullmatch(
         "[0-9a-f]{64}", meta["prompt_digest"]
     )
+
+
+def test_the_schemas_eval_cases_are_agent_evals(workflow_dir: WorkflowDir):
+    """The config schema names `agent eval`'s cases (checked at parse time, before a server
+    starts for an evaluation that would refuse its options)."""
+    import yaml
+
+    from agent.eval.cases import CASES
+
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    assert schema["$defs"]["eval_case"]["enum"] == list(CASES)
+    workflow_dir.configure(eval={"cases": ["pbmc3k"]})
+    out = workflow_dir.snakemake("-n")
+    assert out.returncode != 0 and "'pbmc3k' is not one of" in out.stdout, out.stdout[-2000:]
+
+
+def test_eval_model_serves_evaluates_and_gates_the_cohort(workflow_dir: WorkflowDir, inputs: Path):
+    """vllm mode with the stand-in server and eval.min_score: the evaluation's own server (a
+    service in one group with the eval job) serves `agent eval` on one case and is stopped. The
+    stand-in has no calls for the case, so every decision fails and the score (0) is below 0.5:
+    the llm sample is refused in one line before its server starts. At min_score 0 the same
+    evaluation passes (not redone); the report is given it (its link: tests/test_report.py)."""
+    standin = f"{sys.executable} {REPO / 'tests' / 'fixtures_workflow.py'} --recorded {inputs}"
+    workflow_dir.write_sheet([{"sample": "a", "path": "inputs/a.h5ad"}])
+    workflow_dir.configure(
+        analysis={"policy": "llm"},
+        server={"mode": "vllm", "samples_per_server": 1, "command": standin},
+        eval={"cases": ["synthetic_tiny"], "end_to_end": [], "min_score": 0.5},
+        resources={"analyze": {"cpus_per_task": 1}, "eval": {"cpus_per_task": 1}},
+    )
+    (inputs / "x").mkdir()  # the stand-in's recorded runs: one, empty, of another sample
+    record = {"meta": {"sample": "x"}, "entries": [], "schema_version": 1}
+    (inputs / "x" / "world_state.json").write_text(json.dumps(record))
+    wd = workflow_dir.path
+    plan = workflow_dir.snakemake("-n", "-p", "--cores", "2")
+    assert plan.returncode == 0, plan.stdout
+    group = plan.stdout.split("Group job server_eval ", 1)[1].split("\n[", 1)[0]  # to the next job
+    assert "rule eval_model:" in group and "wildcards: shard=eval" in group
+    (command,) = shell_commands(plan.stdout, "eval_model")
+    wanted = "--cases synthetic_tiny --end-to-end none --endpoint-file results/servers/eval.json"
+    assert wanted in command
+    (report,) = shell_commands(plan.stdout, "report")
+    assert "--eval results/eval/eval.json" in report
+
+    refused = workflow_dir.snakemake("--cores", "2")
+    assert refused.returncode != 0
+    line = (
+        "eval_min_score: the model's evaluation gave score 0, below config eval.min_score 0.5: "
+        "no llm sample is analysed (model Qwen/Qwen3.6-27B at revision main; see "
+        "results/eval/eval.html)"
+    )
+    assert line in refused.stdout.splitlines(), refused.stdout[-3000:]
+    evaluation = json.loads((wd / "results/eval/eval.json").read_text())
+    assert evaluation["score"] == 0 and len(evaluation["points"]) > 10
+    # as the samples' records name their model (test_adding_a_sample_...: meta.server)
+    assert (evaluation["model"]["model_id"], evaluation["model"]["revision"]) == (
+        "Qwen/Qwen3.6-27B", "main"
+    )  # fmt: skip
+    assert (wd / "results/eval/eval.html").is_file()
+    assert "stopped by SIGTERM" in (wd / "logs/serve_vllm/eval.log").read_text()
+    assert not list((wd / "results/servers").glob("*.json"))  # the endpoint was temporary
+    assert not (wd / "logs/serve_vllm/shard000.log").exists()  # the cohort's never started
+    assert not (wd / "logs/analyze/a.log").exists()
+
+    workflow_dir.configure(eval={"min_score": 0.0})
+    passed = workflow_dir.snakemake("--cores", "2", "results/eval/min_score.json")
+    assert passed.returncode == 0, passed.stdout[-5000:]
+    assert job_counts(passed.stdout) == {"eval_min_score": 1}  # the evaluation is not redone
+    assert json.loads((wd / "results/eval/min_score.json").read_text())["min_score"] == 0
 
 
 @pytest.mark.parametrize("source", [pytest.param("path", marks=pytest.mark.slow), "git"])
@@ -664,4 +736,4 @@ def test_apptainer_deployment_plans_every_job_in_its_image(workflow_dir: Workflo
         "-n", "--sdm", "apptainer", "--profile", str(REPO / "profiles" / "slurm"), env=env
     )
     assert out.returncode == 0, out.stdout
-    assert job_counts(out.stdout)["analyze"] == 3
+    assert job_counts(out.stdout)["analyze"] == len(DEMO_SAMPLES)

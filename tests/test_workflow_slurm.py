@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import shutil
@@ -35,6 +36,7 @@ from tests.fixtures_workflow import (
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 # The test node has 2 CPUs: one per job, so a server group (server + one agent) fits on it.
+SLURM_SAMPLES = DEMO_SAMPLES[:3]
 SMALL = {"runtime": 30, "mem_mb": 2000, "cpus_per_task": 1, "slurm_partition": ""}
 SMALL_RESOURCES = {
     "demo_data": SMALL,
@@ -82,19 +84,24 @@ def assert_all_through_slurm(
 
 @pytest.fixture(scope="module")
 def cohort(slurm_profile_env, tmp_path_factory) -> tuple[WorkflowDir, str]:
-    """Run 1: the demo cohort, reference policy, through Slurm."""
+    """Run 1: the demo cohort's first samples, reference policy, through Slurm (the whole
+    cohort and its conditions run in tests/test_workflow.py; here every job kind matters, not
+    how many of each)."""
     wd = make_workflow_dir(tmp_path_factory.mktemp("slurm_cohort"))
+    with (wd.path / "samples.tsv").open() as handle:
+        rows = list(csv.DictReader(handle, delimiter="\t"))
+    wd.write_sheet([row for row in rows if row["sample"] in SLURM_SAMPLES])
     wd.configure(resources=SMALL_RESOURCES, server={"resources": SMALL})
     return wd, run_with_profile(wd, slurm_profile_env).stdout
 
 
 def test_demo_cohort_runs_through_slurm(slurm_cluster, cohort: tuple[WorkflowDir, str]):
     wd, output = cohort
-    # 3 demo_data + 3 analyze + 3 replay + 1 compare + 1 report; `all` is a local rule with
-    # nothing to run
-    slurm_ids = set(assert_all_through_slurm(slurm_cluster, output, expected_jobs=11))
-    check_cohort_outputs(wd.path)
-    for sample in DEMO_SAMPLES:
+    # 3 demo_data + 3 analyze + 3 replay + 1 compare + 1 cohort_composition + 1 cohort_de +
+    # 1 report; `all` is a local rule with nothing to run
+    slurm_ids = set(assert_all_through_slurm(slurm_cluster, output, expected_jobs=13))
+    check_cohort_outputs(wd.path, SLURM_SAMPLES)
+    for sample in SLURM_SAMPLES:
         first = (wd.path / "logs" / "analyze" / f"{sample}.log").read_text().splitlines()[0]
         # the attempt's start (UTC), then where it ran
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\S+Z host \S+, slurm job \d+", first), first
@@ -111,18 +118,16 @@ def test_server_group_shares_one_allocation(
     (recorded / sample).mkdir(parents=True)
     shutil.copy(wd.path / "results" / "samples" / sample / "world_state.json", recorded / sample)
     standin = f"{sys.executable} {REPO / 'tests' / 'fixtures_workflow.py'} --recorded {recorded}"
-    sheet = [line.split("\t") for line in (wd.path / "samples.tsv").read_text().splitlines()[1:]]
-    wd.write_sheet(
-        [
-            {"sample": name, "path": path, "policy": "llm" if name == sample else ""}
-            for name, path in sheet
-        ]
-    )
+    with (wd.path / "samples.tsv").open() as handle:
+        rows = list(csv.DictReader(handle, delimiter="\t"))
+    wd.write_sheet([{**row, "policy": "llm" if row["sample"] == sample else ""} for row in rows])
     wd.configure(server={"mode": "vllm", "samples_per_server": 1, "command": standin})
     output = run_with_profile(wd, slurm_profile_env).stdout
 
-    # the server group (serve_vllm + analyze of pbmc2), its replay, the comparison and the report
-    rows = assert_all_through_slurm(slurm_cluster, output, expected_jobs=4)
+    # the server group (serve_vllm + analyze of pbmc2), its replay, the comparison, the
+    # composition and differential expression (pbmc2 has no condition, but its record changed)
+    # and the report
+    rows = assert_all_through_slurm(slurm_cluster, output, expected_jobs=6)
     groups = [(log, i) for i, log in submissions(output).values() if "group_server_" in log]
     assert len(groups) == 1 and "/group_server_shard000_" in groups[0][0], groups
     slurm_job = groups[0][1]
@@ -143,4 +148,4 @@ def test_server_group_shares_one_allocation(
     ]
     assert int(served.group(1)) == len(original["entries"])  # one request per step
     assert not list((wd.path / "results" / "servers").glob("*.json"))  # service file removed
-    check_cohort_outputs(wd.path)
+    check_cohort_outputs(wd.path, SLURM_SAMPLES)

@@ -8,7 +8,9 @@ model, vLLM and package versions and record (path and sha256), cells in each and
 ARI of the Leiden clusterings on the shared cells, the share of shared cells with the same
 cell_type (and the confusion of labels), and each parameter and run setting whose value differs;
 a cohort summary on top, largest changes first. A sample on one side only, or whose files are
-missing or unreadable, is a row that says so; no sample stops the comparison.
+missing or unreadable, or whose record fails the integrity check that replay runs (an edited
+record, a final object that is not the one its finish step wrote), is a row that says so and
+compares nothing; no sample stops the comparison.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Side:
     obs: pd.DataFrame | None = None
     cluster_key: str = "leiden"
     problems: list[str] = field(default_factory=list)
+    unsound: list[str] = field(default_factory=list)  # what the integrity check found
 
     @property
     def model(self) -> str:
@@ -76,12 +79,17 @@ class Side:
 
 
 def read_side(record: Path) -> Side:
-    """The analysis whose record is ``record``; what cannot be read is noted, never raised."""
+    """The analysis whose record is ``record``; what cannot be read is noted, never raised. The
+    record is checked as replay checks it (``check_record``: chain, seal, steps, and the final
+    object holding the finish step's data): a side that fails is not compared."""
+    from agent.integrity import check_record
     from agent.provenance import file_sha256
     from agent.report.collect import cluster_key, load_sample, read_obs
 
     side = Side(record, load_sample(record))
     side.problems += side.sample.problems
+    if side.sample.world is not None:
+        side.unsound = [p.what for p in check_record(side.sample.world, record.parent)]
     if record.is_file():
         try:
             side.digest = file_sha256(record)
@@ -160,13 +168,20 @@ def compare_results(old: Side, new: Side) -> dict[str, Any]:
     """Cells, ARI, label agreement and confusion of two analyses of one sample."""
     from sklearn.metrics import adjusted_rand_score
 
+    sides = (("old", old), ("new", new))
     missing = [
         f"no final object on the {name} side ({side.sample.status})"
-        for name, side in (("old", old), ("new", new))
+        for name, side in sides
         if side.obs is None
     ]
-    if missing:
-        return {"outcome": "not compared", "note": "; ".join(missing + old.problems + new.problems)}
+    unsound = [
+        f"the {name} side fails the integrity check: {'; '.join(side.unsound)}"
+        for name, side in sides
+        if side.unsound
+    ]
+    if missing or unsound:
+        note = "; ".join(unsound + missing + old.problems + new.problems)
+        return {"outcome": "not compared", "note": note}
     shared = old.obs.index.intersection(new.obs.index)
     row: dict[str, Any] = {"shared_cells": len(shared)}
     if not len(shared):

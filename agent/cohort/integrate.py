@@ -10,10 +10,17 @@ Writes OUTDIR/adata.h5ad (uns['integration']: method, library and version, param
 every input record with the sha256 of its world state and final object), OUTDIR/integration.json
 (the same, for the report and the RO-Crate) and OUTDIR/plots/umap_by_{sample,label}.png.
 
-Fewer than MIN_SAMPLES finished samples is an ordinary cohort (one sample given, or one failed),
-not an error: integration.json then says "not integrated", names the samples that finished and
+Only sound inputs are read: a record that fails the integrity check (agent/integrity.py: chain,
+seal, and the final object holding the data its finish step wrote), an unreadable one, two
+records claiming one sample name, a final object without counts, are left out by name with the
+reason, as unfinished samples are; none of them stops the others.
+
+Fewer than MIN_SAMPLES such samples is an ordinary cohort (one sample given, or one failed), not
+an error: integration.json then says "not integrated", names the samples that finished and
 those left out, and no object or plots exist (an earlier integration's are removed); the command
-exits 0, by hand as in the workflow, whose report then says so.
+exits 0, by hand as in the workflow, whose report then says so. So does a correction that left
+the embedding as it was (Harmony on samples that share no cell state): its statement gives the
+evidence.
 """
 
 from __future__ import annotations
@@ -37,7 +44,14 @@ PLOTS = {"sample": "plots/umap_by_sample.png", "label": "plots/umap_by_label.png
 LABEL = "cell_type"  # the cohort's labels, as the sample tools name them
 SAMPLE_LABEL = "sample_cell_type"  # each cell's label in its own sample's analysis
 MAX_METRIC_CELLS = 5000  # silhouettes on a fixed-seed subsample: quadratic in the cells
+# scib-metrics' Benchmarker defaults (0.5): its batch correction and bio conservation metrics and
+# the neighbours each kNN metric reads
+BATCH_METRICS = ("bras", "ilisi_knn", "kbet_per_label", "graph_connectivity", "pcr_comparison")
+BIO_METRICS = ("isolated_labels", "nmi_kmeans", "ari_kmeans", "silhouette_label", "clisi_knn")
+NEIGHBORS = {"ilisi_knn": 90, "clisi_knn": 90, "kbet_per_label": 50, "graph_connectivity": 15}
 MIN_SAMPLES = 2  # one sample has no batches to integrate
+UNCHANGED = 1e-6  # a correction's largest change, relative to the largest coordinate, below
+# which the embedding is as it was (float32 rounding of the PCA is ~1e-7)
 
 
 @dataclass(frozen=True)
@@ -60,62 +74,63 @@ class Options:
     resolution: float = 1.0
     seed: int = 0
     celltypist_model: str | None = None
+    celltypist_model_sha256: str | None = None  # checked again where the model is used
 
 
 def finished_inputs(world_states: list[Path]) -> tuple[list[InputRecord], dict[str, str]]:
-    """The finished samples among ``world_states`` (their records and final objects, by sha256)
-    and, for each one left out, why."""
+    """The finished samples among ``world_states`` whose records pass the integrity check
+    (``check_record``: chain, seal, steps, and the final object holding the finish step's data,
+    so a final object copied under another sample's name is caught), their records and final
+    objects by sha256; and, for each one left out, why. A sample name that two records claim
+    is left out under both: neither can be told to be the sample's."""
+    from agent.integrity import check_record
     from agent.provenance import file_sha256
+    from agent.world_state import WorldState
 
-    found, skipped = [], {}
+    found, skipped, claimed = [], {}, {}
     for path in world_states:
-        layout = SampleLayout(path.parent)
         try:  # `main` refused paths that name no file: an OSError is a read gone wrong
-            meta = orjson.loads(path.read_bytes())["meta"]
-        except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as e:
-            skipped[str(path)] = f"unreadable record ({type(e).__name__})"
+            world = WorldState.load(path)
+        except ValueError as e:  # the record's own message names the file and the problem
+            skipped[str(path)] = f"unreadable record ({e})"
             continue
+        meta = world.meta
         sample = str(meta.get("sample") or path.parent.name)
+        if sample in claimed:
+            skipped[sample] = f"{claimed[sample]} and {path} both name sample {sample}"
+            continue
+        claimed[sample] = path
         if meta.get("status") != "finished":
             skipped[sample] = f"run status {meta.get('status')}"
-        elif not layout.final.is_file():
-            skipped[sample] = f"no {layout.final.name}"
+        elif problems := check_record(world, path.parent):
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            skipped[sample] = f"fails the integrity check: {problems[0].what}{more}"
         else:
+            final = SampleLayout(path.parent).final
             found.append(  # absolute: the report and crate that name them may run elsewhere
                 InputRecord(
-                    sample, str(path.resolve()), file_sha256(path), str(layout.final.resolve()),
-                    file_sha256(layout.final),
+                    sample, str(path.resolve()), file_sha256(path), str(final.resolve()),
+                    file_sha256(final),
                 )
             )  # fmt: skip
-    return found, skipped
+    return [r for r in found if r.sample not in skipped], skipped
 
 
-def sheet_columns(sheet: Path | None) -> dict[str, dict[str, str]]:
-    """sample -> its sheet cells (every column but 'sample'), as text."""
-    if sheet is None:
-        return {}
-    import yaml
-
-    from agent.samplesheet import SCHEMA, read_sheet
-
-    spec = yaml.safe_load(SCHEMA.read_text())
-    return {
-        str(row["sample"]): {k: str(v) for k, v in row.items() if k != "sample"}
-        for row in read_sheet(sheet, spec).rows
-    }
-
-
-def gather(records: list[InputRecord], columns: dict[str, dict[str, str]]) -> Any:
+def gather(
+    records: list[InputRecord], columns: dict[str, dict[str, str]]
+) -> tuple[Any, list[InputRecord], dict[str, str]]:
     """One AnnData of raw counts (X) over the genes every sample kept; obs: sample, the sheet's
-    columns and the label each cell got in its own sample's analysis."""
+    columns and the label each cell got in its own sample's analysis. Also the records it holds
+    and, for each left out (no counts layer), why; None when fewer than two remain."""
     import anndata as ad
     import pandas as pd
 
-    parts = []
+    parts, kept, left_out = [], [], {}
     for record in records:
         one = ad.read_h5ad(record.adata)
         if "counts" not in one.layers:
-            raise ValueError(f"{record.adata}: no layers['counts'] (the final object's raw counts)")
+            left_out[record.sample] = f"{record.adata}: no layers['counts'] (its raw counts)"
+            continue
         obs = pd.DataFrame(index=record.sample + ":" + one.obs_names.astype(str))
         obs["sample"] = record.sample
         for key, value in columns.get(record.sample, {}).items():
@@ -125,67 +140,129 @@ def gather(records: list[InputRecord], columns: dict[str, dict[str, str]]) -> An
         parts.append(
             ad.AnnData(one.layers["counts"], obs=obs, var=pd.DataFrame(index=one.var_names))
         )
+        kept.append(record)
+    if len(parts) < MIN_SAMPLES:
+        return None, kept, left_out
     cohort = ad.concat(parts, join="inner", merge=None)
     if not cohort.n_vars:
-        raise ValueError(f"the {len(records)} samples' final objects share no gene (var_names)")
+        raise ValueError(f"the {len(kept)} samples' final objects share no gene (var_names)")
     for key in cohort.obs.columns:
         cohort.obs[key] = cohort.obs[key].astype("category")
-    return cohort
+    return cohort, kept, left_out
 
 
-def run_harmony(adata: Any, seed: int) -> str:
+def run_harmony(adata: Any, seed: int) -> dict[str, Any]:
     """Harmony (harmonypy) on the PCA by sample, into obsm['X_pca_harmony']. harmonypy is called
     itself: scanpy.external's wrapper transposes its result, which harmonypy 2 already returns
-    cells by components."""
+    cells by components. Returns what it did: the largest change of a coordinate, relative to
+    the largest coordinate (0: the embedding is as it was), and how many of its clusters hold
+    the cells of one sample only (there Harmony has nothing to align: the sample is the
+    cluster)."""
     import harmonypy
     import numpy as np
 
-    out = harmonypy.run_harmony(
-        adata.obsm["X_pca"].astype(np.float64), adata.obs, "sample", random_state=seed,
-        verbose=False,
-    )  # fmt: skip
+    before = adata.obsm["X_pca"].astype(np.float64)
+    out = harmonypy.run_harmony(before, adata.obs, "sample", random_state=seed, verbose=False)
     corrected = np.asarray(out.Z_corr)
-    if corrected.shape != adata.obsm["X_pca"].shape:
+    if corrected.shape != before.shape:
         corrected = corrected.T
     adata.obsm["X_pca_harmony"] = corrected
-    return "X_pca_harmony"
+    samples = adata.obs["sample"].astype(str).to_numpy()
+    cluster = np.asarray(out.R).argmax(axis=1 if len(out.R) == len(samples) else 0)
+    single = sum(len(set(samples[cluster == c])) == 1 for c in np.unique(cluster))
+    return {
+        "relative_change": float(np.abs(corrected - before).max() / np.abs(before).max()),
+        "clusters": len(np.unique(cluster)),
+        "single_sample_clusters": int(single),
+    }
 
 
-def mixing_metrics(
-    adata: Any, rep: str, labels: str, n_neighbors: int, seed: int
-) -> dict[str, Any]:
-    """Batch mixing and label conservation of one embedding (scikit-learn).
+def unchanged_statement(method: str, evidence: dict[str, Any]) -> str:
+    """Why a correction that left the embedding as it was is no integration."""
+    return (
+        f"not integrated: {method} left the embedding unchanged (largest change "
+        f"{evidence['relative_change']:.1e} of the largest coordinate; "
+        f"{evidence['single_sample_clusters']} of its {evidence['clusters']} clusters hold one "
+        "sample's cells only: the samples share no cell state it could align); "
+        "method none puts them side by side"
+    )
 
-    silhouette_sample: euclidean silhouette of the samples (near 0 or below: mixed;
-    lower is better); silhouette_label: that of the labels (higher: labels kept apart);
-    knn_mixing: mean share of a cell's kNN from other samples over the share expected were the
-    samples fully mixed (1: mixed; 0: every neighbour from the cell's own sample). All three on
-    the same fixed-seed subsample of at most MAX_METRIC_CELLS cells.
-    """
+
+def scib_scores(adata: Any, rep: str, unintegrated: str, labels: str, seed: int) -> dict[str, Any]:
+    """Batch correction and bio conservation of one embedding by scib-metrics, the metrics and
+    defaults of its Benchmarker (Luecken et al. 2022): BATCH_METRICS and BIO_METRICS on
+    ``adata.obsm[rep]`` against obs['sample'] and obs[``labels``], pcr_comparison against
+    ``obsm[unintegrated]``; each group's mean and the total 0.4 x batch + 0.6 x bio, as the
+    benchmarks aggregate them (no min-max scaling across embeddings: one cohort's scores stay
+    comparable between runs). On a fixed-seed subsample of at most MAX_METRIC_CELLS cells
+    (silhouettes are quadratic in the cells), exact kNN (scikit-learn, the cell itself first)
+    of up to 90 neighbours. A metric the data cannot support (fewer than 2 labels, or the
+    library refusing a degenerate case) is named in ``not_measured`` with why."""
+    import warnings
+
     import numpy as np
-    from sklearn.metrics import silhouette_score
+    import scib_metrics
+    from scib_metrics.nearest_neighbors import NeighborsResults
     from sklearn.neighbors import NearestNeighbors
 
-    x = np.asarray(adata.obsm[rep])
-    sample = adata.obs["sample"].astype(str).to_numpy()
+    x = np.asarray(adata.obsm[rep], dtype=np.float32)
     size = min(MAX_METRIC_CELLS, len(x))
-    pick = np.random.default_rng(seed).choice(len(x), size, replace=False)
+    pick = np.sort(np.random.default_rng(seed).choice(len(x), size, replace=False))
+    x, pre = x[pick], np.asarray(adata.obsm[unintegrated], dtype=np.float32)[pick]
+    batch = adata.obs["sample"].astype(str).to_numpy()[pick]
+    label = adata.obs[labels].astype(str).to_numpy()[pick] if labels in adata.obs else None
+    k = min(max(NEIGHBORS.values()), size)
+    distances, indices = NearestNeighbors(n_neighbors=k).fit(x).kneighbors(x)
+    knn = NeighborsResults(indices=indices, distances=distances)
+
+    def near(n: int) -> NeighborsResults:
+        return knn.subset_neighbors(n=min(n, k))
+
+    calls = {
+        "bras": lambda: scib_metrics.bras(x, label, batch),
+        "ilisi_knn": lambda: scib_metrics.ilisi_knn(near(NEIGHBORS["ilisi_knn"]), batch),
+        "kbet_per_label": lambda: scib_metrics.kbet_per_label(
+            near(NEIGHBORS["kbet_per_label"]), batch, label
+        ),
+        "graph_connectivity": lambda: scib_metrics.graph_connectivity(
+            near(NEIGHBORS["graph_connectivity"]), label
+        ),
+        "pcr_comparison": lambda: scib_metrics.pcr_comparison(pre, x, batch, categorical=True),
+        "isolated_labels": lambda: scib_metrics.isolated_labels(x, label, batch),
+        "kmeans": lambda: scib_metrics.nmi_ari_cluster_labels_kmeans(x, label),
+        "silhouette_label": lambda: scib_metrics.silhouette_label(x, label),
+        "clisi_knn": lambda: scib_metrics.clisi_knn(near(NEIGHBORS["clisi_knn"]), label),
+    }
+    needs_labels = {"bras", "kbet_per_label", "graph_connectivity", "isolated_labels", "kmeans",
+                    "silhouette_label", "clisi_knn"}  # fmt: skip
     out: dict[str, Any] = {"cells_measured": size}
-    if len(set(sample[pick])) > 1:
-        out["silhouette_sample"] = round(float(silhouette_score(x[pick], sample[pick])), 4)
-    if labels in adata.obs:
-        label = adata.obs[labels].astype(str).to_numpy()[pick]
-        if len(set(label)) > 1:
-            out["silhouette_label"] = round(float(silhouette_score(x[pick], label)), 4)
-    # the subsample's neighbours among all cells (the first is the cell itself)
-    k = min(n_neighbors, len(x) - 1)
-    index = NearestNeighbors(n_neighbors=k + 1).fit(x)
-    idx = index.kneighbors(x[pick], return_distance=False)[:, 1:]
-    other = (sample[idx] != sample[pick, None]).mean(axis=1)
-    share = {s: n / len(x) for s, n in zip(*np.unique(sample, return_counts=True), strict=True)}
-    expected = 1 - np.vectorize(share.get)(sample[pick])
-    if expected.mean() > 0:
-        out["knn_mixing"] = round(float(other.mean() / expected.mean()), 4)
+    missing: dict[str, str] = {}
+    for name, call in calls.items():
+        if name in needs_labels and (label is None or len(set(label)) < 2):
+            missing[name] = f"fewer than 2 labels in obs['{labels}']"
+        else:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the library's notes on skipped labels
+                    value = call()
+            except (ValueError, ZeroDivisionError, np.linalg.LinAlgError) as e:
+                missing[name] = f"{type(e).__name__}: {e}"
+                continue
+            values = value if isinstance(value, dict) else {name: value}
+            for key, v in values.items():
+                key = f"{key}_kmeans" if name == "kmeans" else key
+                if np.isfinite(v):
+                    out[key] = round(float(v), 4)
+                else:
+                    missing[key] = "not a number (too few cells per label and sample)"
+    for group, names in (("batch_correction", BATCH_METRICS), ("bio_conservation", BIO_METRICS)):
+        present = [out[n] for n in names if n in out]
+        if present:
+            out[group] = round(float(np.mean(present)), 4)
+    if "batch_correction" in out and "bio_conservation" in out:
+        out["total"] = round(0.4 * out["batch_correction"] + 0.6 * out["bio_conservation"], 4)
+    if missing:
+        out["not_measured"] = missing
     return out
 
 
@@ -196,17 +273,19 @@ def not_integrated_statement(n_finished: int) -> str:
 
 
 def write_not_integrated(
-    records: list[InputRecord], outdir: Path, options: Options, left_out: dict[str, str]
-) -> dict[str, Any]:
-    """The summary of a cohort with too few finished samples; an earlier integration's object
-    and plots go, so that nothing in OUTDIR claims an integration of this cohort."""
+    records: list[InputRecord], outdir: Path, options: Options, left_out: dict[str, str],
+    statement: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The summary of a cohort not integrated (by default: too few finished samples); an
+    earlier integration's object and plots go, so that nothing in OUTDIR claims an integration
+    of this cohort."""
     from agent.durable import atomic_write_json
 
     for stale in (OBJECT, *PLOTS.values()):
         (outdir / stale).unlink(missing_ok=True)
     summary = {
         "integrated": False,
-        "statement": not_integrated_statement(len(records)),
+        "statement": statement or not_integrated_statement(len(records)),
         "method": options.method,
         "parameters": {k: v for k, v in asdict(options).items() if v is not None},
         "inputs": [asdict(r) for r in records],
@@ -226,8 +305,9 @@ def integrate(
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"sample names appear twice among the world states: {twice}")
+    left_out = dict(left_out or {})
     if len(records) < MIN_SAMPLES:
-        return write_not_integrated(records, outdir, options, left_out or {})
+        return write_not_integrated(records, outdir, options, left_out)
     import scanpy as sc
 
     from agent.durable import atomic_write_h5ad, atomic_write_json
@@ -239,9 +319,16 @@ def integrate(
     from agent.tools.preprocess import normalize
     from agent.tools.session import Session
 
-    session = Session(outdir, seed=options.seed, celltypist_model=options.celltypist_model)
     progress = Progress()
-    session.adata = gather(records, columns or {})
+    cohort, records, unreadable = gather(records, columns or {})
+    left_out.update(unreadable)
+    if cohort is None:
+        return write_not_integrated(records, outdir, options, left_out)
+    session = Session(
+        outdir, seed=options.seed, celltypist_model=options.celltypist_model,
+        celltypist_model_sha256=options.celltypist_model_sha256,
+    )  # fmt: skip
+    session.adata = cohort
     progress(f"gathered {len(records)} samples, {session.adata.n_obs} cells")
     normalize(session)
     adata = session.adata
@@ -251,7 +338,12 @@ def integrate(
     )  # fmt: skip
     pca(session, n_comps=options.n_comps)
     progress("normalised, highly variable genes, PCA")
-    rep = run_harmony(adata, options.seed) if options.method == "harmony" else "X_pca"
+    rep, correction = "X_pca", None
+    if options.method == "harmony":
+        rep, correction = "X_pca_harmony", run_harmony(adata, options.seed)
+        if correction["relative_change"] < UNCHANGED:
+            statement = unchanged_statement(options.method, correction)
+            return write_not_integrated(records, outdir, options, left_out, statement)
     progress(f"integrated ({options.method})")
     # the graph of the integrated embedding, which the neighbors tool (X_pca only) cannot take
     sc.pp.neighbors(adata, n_neighbors=options.n_neighbors, use_rep=rep, random_state=options.seed)
@@ -265,9 +357,10 @@ def integrate(
     progress("neighbours, UMAP, Leiden, labels")
     adata = session.adata
     metrics = {
-        "before": mixing_metrics(adata, "X_pca", SAMPLE_LABEL, options.n_neighbors, options.seed),
-        "after": mixing_metrics(adata, rep, SAMPLE_LABEL, options.n_neighbors, options.seed),
+        "before": scib_scores(adata, "X_pca", "X_pca", SAMPLE_LABEL, options.seed),
+        "after": scib_scores(adata, rep, "X_pca", SAMPLE_LABEL, options.seed),
         "label_measured": SAMPLE_LABEL,
+        "library": f"scib-metrics {metadata.version('scib-metrics')}",
     }
     library = LIBRARY[options.method]
     summary = {
@@ -276,6 +369,7 @@ def integrate(
         "library": library,
         "library_version": metadata.version(library),
         "embedding": rep,
+        "correction": correction,  # what the method changed (None: method none changes nothing)
         "parameters": {k: v for k, v in asdict(options).items() if v is not None},
         "n_cells": int(adata.n_obs),
         "n_genes": int(adata.n_vars),
@@ -283,14 +377,18 @@ def integrate(
         "labels": {str(k): int(v) for k, v in adata.obs[LABEL].value_counts().items()},
         "metrics": metrics,
         "inputs": [asdict(r) for r in records],
-        "left_out": left_out or {},
+        "left_out": left_out,
         "object": OBJECT,
         "plots": PLOTS,
     }
     # h5ad keeps no lists of mappings: the inputs by sample there; left_out stays in the summary
     # (an unreadable record is keyed by its path, and h5ad turns a key's slashes into groups)
     adata.uns["integration"] = {
-        **{k: v for k, v in summary.items() if k not in ("inputs", "plots", "left_out")},
+        **{
+            k: v
+            for k, v in summary.items()
+            if k not in ("inputs", "plots", "left_out") and v is not None
+        },
         "inputs": {
             r.sample: {k: v for k, v in asdict(r).items() if k != "sample"} for r in records
         },
@@ -328,11 +426,34 @@ def is_integrated(summary: dict[str, Any]) -> bool:
     return summary.get("integrated", True)
 
 
-METRIC_NAMES = {
-    "silhouette_sample": "silhouette by sample (lower: samples better mixed)",
-    "knn_mixing": "kNN mixing (1: fully mixed, 0: none)",
-    "silhouette_label": "silhouette by each sample's own labels (higher: labels kept apart)",
+METRIC_NAMES = {  # scib-metrics' names; each higher is better, 0 to 1 (pcr_comparison may be < 0)
+    "batch_correction": "batch correction (mean of the five below)",
+    "bras": "BRAS: batch removal adapted silhouette",
+    "ilisi_knn": "iLISI: samples mixed among each cell's neighbours",
+    "kbet_per_label": "kBET per label: neighbourhoods with the samples' proportions",
+    "graph_connectivity": "graph connectivity: each label's cells one connected graph",
+    "pcr_comparison": "PCR comparison: sample variance removed from the principal components",
+    "bio_conservation": "bio conservation (mean of the five below)",
+    "isolated_labels": "isolated labels: labels of few samples kept apart",
+    "nmi_kmeans": "NMI of k-means clusters and the labels",
+    "ari_kmeans": "ARI of k-means clusters and the labels",
+    "silhouette_label": "silhouette of the labels",
+    "clisi_knn": "cLISI: one label among each cell's neighbours",
+    "total": "total: 0.4 x batch correction + 0.6 x bio conservation",
 }
+
+
+def _metrics_note(metrics: dict[str, Any]) -> str | None:
+    """Where the metrics come from, on how many cells, and those not measured with why."""
+    if "library" not in metrics:  # a summary written before scib-metrics
+        return None
+    after = metrics["after"]
+    missing = "; ".join(f"{k}: {v}" for k, v in after.get("not_measured", {}).items())
+    return (
+        f"{metrics['library']} (the integration benchmarks' metrics; higher is better), on "
+        f"{after['cells_measured']} cells, labels: obs['{metrics['label_measured']}']"
+        + (f"; not measured: {missing}" if missing else "")
+    )
 
 
 def report_view(folder: Path) -> dict[str, Any] | None:
@@ -361,6 +482,7 @@ def report_view(folder: Path) -> dict[str, Any] | None:
         "object": str(folder / summary["object"]),
         "labels": summary["labels"],
         "metrics": [(text, before.get(k), after.get(k)) for k, text in METRIC_NAMES.items()],
+        "metrics_note": _metrics_note(summary["metrics"]),
         "umaps": [
             (f"integrated UMAP by {key}", base64.b64encode((folder / path).read_bytes()).decode())
             for key, path in summary["plots"].items()
@@ -384,12 +506,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=Options.seed)
     p.add_argument(
         "--celltypist-model", type=Path,
-        help="CellTypist model file for the labels (default: the marker sets)",
+        help="CellTypist model file for the labels (default: the marker sets); a pickle, which "
+        "can run code when loaded: give only a model you trust (read through an allow-list of a "
+        "model's classes, its sha256 checked at use)",
     )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
-    from agent.samplesheet import SampleSheetError
+    from agent.samplesheet import SampleSheetError, sample_cells
 
     bounds = (
         ("--n-top-genes", args.n_top_genes, 10), ("--n-comps", args.n_comps, 2),
@@ -402,9 +526,21 @@ def main(args: argparse.Namespace) -> int:
     if args.resolution <= 0:
         say.error(f"--resolution {args.resolution}: expected above 0")
         return 2
-    if args.celltypist_model is not None and not args.celltypist_model.is_file():
-        say.error(f"--celltypist-model {args.celltypist_model} is not a file")
-        return 2
+    model_sha256 = None
+    if args.celltypist_model is not None:
+        from agent.celltypist_model import ModelRefused, read_model
+
+        if not args.celltypist_model.is_file():
+            say.error(f"--celltypist-model {args.celltypist_model} is not a file")
+            return 2
+        try:
+            model_sha256 = read_model(args.celltypist_model)[1]
+        except ModelRefused as e:
+            say.error(f"--celltypist-model {e}")
+            return 2
+        except OSError as e:
+            say.error(f"--celltypist-model {args.celltypist_model}: {e}")
+            return 1
     # a path that names no file is a mistake in the command, not a sample that did not finish:
     # refused, where it would otherwise end as a quiet "not integrated"
     missing = [str(p) for p in args.world_states if not p.is_file()]
@@ -412,25 +548,28 @@ def main(args: argparse.Namespace) -> int:
         say.error(f"--world-states: no such file: {', '.join(missing)}")
         return 2
     try:
-        columns = sheet_columns(args.samples)
+        columns = sample_cells(args.samples) if args.samples else {}
     except SampleSheetError as e:
         say.error(str(e))
         return 2
-    records, skipped = finished_inputs(args.world_states)
-    for sample, why in skipped.items():
-        say.note(f"{sample} left out: {why}")
     options = Options(
         args.method, args.n_top_genes, args.n_comps, args.n_neighbors, args.resolution, args.seed,
-        str(args.celltypist_model) if args.celltypist_model else None,
+        str(args.celltypist_model) if args.celltypist_model else None, model_sha256,
     )  # fmt: skip
     from agent.registry import ToolError
 
     try:
+        records, skipped = finished_inputs(args.world_states)
+        for sample, why in skipped.items():
+            say.note(f"{sample} left out: {why}")
         summary = integrate(records, args.outdir, options, columns, skipped)
     except ValueError as e:
         say.error(str(e))
         return 2
     except ToolError as e:  # a sample tool refused the cohort (e.g. cells without counts)
+        say.error(f"the cohort object: {e}")
+        return 1
+    except OSError as e:  # a fault of the machine (I/O error, full disk): a rerun may pass
         say.error(f"the cohort object: {e}")
         return 1
     if not summary["integrated"]:
@@ -441,8 +580,10 @@ def main(args: argparse.Namespace) -> int:
     after = summary["metrics"]["after"]
     print(
         f"integrated {len(records)} samples, {summary['n_cells']} cells ({args.method}): "
-        f"silhouette by sample {summary['metrics']['before'].get('silhouette_sample')} -> "
-        f"{after.get('silhouette_sample')}, kNN mixing {after.get('knn_mixing')}; "
+        f"scib-metrics batch correction {summary['metrics']['before'].get('batch_correction')}"
+        f" -> {after.get('batch_correction')}, bio conservation "
+        f"{summary['metrics']['before'].get('bio_conservation')} -> "
+        f"{after.get('bio_conservation')}; "
         f"{args.outdir / OBJECT}"
     )
     return 0

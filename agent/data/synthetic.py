@@ -22,7 +22,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import anndata as ad
 import h5py
@@ -198,6 +198,19 @@ CELL_TYPES: dict[str, tuple[dict[str, float], float, float]] = {
     "Platelet": ({"Platelet": 1}, 0.35, 0.5),
 }
 
+# A condition's planted truth (SampleSpec.condition_effect, off by default): an interferon
+# response, genes of the background set written apart from any marker list (IRF7, a pDC marker,
+# left out), raised CONDITION_FOLD-fold in CONDITION_TYPES only, so a test per cell type must find
+# them there and not elsewhere; and CONDITION_SHIFT, a factor on some types' shares (the others'
+# shares then shrink by the renormalisation alone).
+CONDITION_GENES = ("OAS1", "LY6E", "IFITM3", "IFITM1", "ISG20", "BST2", "SP110")
+CONDITION_FOLD = 3.0
+CONDITION_TYPES = ("CD14 Mono", "CD4 naive T")
+CONDITION_SHIFT = {"B": 2.5}
+# Replicates of one biology (SampleSpec.profile_seed): each sample scales every gene by a draw of
+# this log-normal spread, as donors differ (a pseudobulk test then has real dispersion to estimate)
+REPLICATE_SD = 0.15
+
 PBMC_COMPOSITION = {
     "CD4 naive T": 0.34, "CD8 effector-memory T": 0.14, "NK": 0.09, "B": 0.13, "CD14 Mono": 0.19, "FCGR3A Mono": 0.06,
     "DC": 0.03, "Platelet": 0.02,
@@ -216,14 +229,22 @@ class SampleSpec:
     doublet_fraction: float = 0.05  # of cell barcodes
     empty_fraction: float = 0.08  # empty barcodes per cell barcode
     median_umis: float = 4000.0
+    # mean share of each cell barcode's UMIs that is ambient RNA (the empty droplets' profile);
+    # each cell's own share drawn from a Beta of this mean (truth.tsv: ambient_fraction)
+    ambient_fraction: float = 0.0
     format: Format = "mtx"
     description: str = ""
+    # A cohort's replicates: the cell types' profiles drawn from this seed, shared with the samples
+    # that name it (None: from the sample's own seed, as every sample had before), then varied by
+    # REPLICATE_SD; and the condition's planted truth (CONDITION_GENES, CONDITION_SHIFT)
+    profile_seed: int | None = None
+    condition_effect: bool = False
 
     def __post_init__(self) -> None:
         problems = []
         if self.n_cells < 50:
             problems.append(f"n_cells={self.n_cells} (expected at least 50)")
-        for name in ("damaged_fraction", "doublet_fraction", "empty_fraction"):
+        for name in ("damaged_fraction", "doublet_fraction", "empty_fraction", "ambient_fraction"):
             value = getattr(self, name)
             if not 0 <= value <= 0.5:
                 problems.append(f"{name}={value} (expected between 0 and 0.5)")
@@ -270,6 +291,25 @@ DEMO_COHORT: dict[str, SampleSpec] = {
                 "CD14 Mono": 0.1,
             },
             description="larger, T-cell-rich, shallower, more doublets, 10x .h5",
+        ),
+        # a condition: pbmc1's biology in replicates, two of them treated (config/samples.tsv)
+        SampleSpec(
+            "pbmc4", 1600, seed=404, format="h5ad", damaged_fraction=0.06, profile_seed=101,
+            composition={**PBMC_COMPOSITION, "CD14 Mono": 0.22, "CD4 naive T": 0.31},
+            description="pbmc1's biology, another donor (control), .h5ad",
+        ),
+        SampleSpec(
+            "pbmc5", 1700, seed=505, format="mtx", damaged_fraction=0.1, profile_seed=101,
+            condition_effect=True,
+            composition={**PBMC_COMPOSITION, "CD4 naive T": 0.37, "CD8 effector-memory T": 0.11},
+            description="pbmc1's biology, treated: interferon response in CD14 monocytes and "
+            "CD4 naive T cells, 2.5-fold B-cell share, 10x mtx folder",
+        ),
+        SampleSpec(
+            "pbmc6", 1800, seed=606, format="h5", damaged_fraction=0.05, profile_seed=101,
+            condition_effect=True,
+            composition={**PBMC_COMPOSITION, "CD14 Mono": 0.17, "NK": 0.11},
+            description="pbmc1's biology, treated, another donor, 10x .h5",
         ),
     )
 }  # fmt: skip
@@ -327,14 +367,36 @@ def _type_profiles(
     return np.asarray(profiles)
 
 
+def _renormalised(profiles: np.ndarray) -> np.ndarray:
+    return profiles / profiles.sum(axis=1, keepdims=True)
+
+
+def condition_factors(genes: list[str]) -> np.ndarray:
+    """Cell type x gene factors of the planted condition: CONDITION_FOLD on CONDITION_GENES in
+    CONDITION_TYPES (rows in CELL_TYPES order), 1 elsewhere."""
+    factors = np.ones((len(CELL_TYPES), len(genes)))
+    columns = [genes.index(g) for g in CONDITION_GENES]
+    for row, name in enumerate(CELL_TYPES):
+        if name in CONDITION_TYPES:
+            factors[row, columns] = CONDITION_FOLD
+    return factors
+
+
 def simulate(spec: SampleSpec) -> tuple[ad.AnnData, pd.DataFrame]:
     """Raw counts (cells x genes, CSR, integer-valued float32) and the per-barcode truth."""
     rng = np.random.default_rng(spec.seed)
     genes, index = _gene_table()
     type_names = list(CELL_TYPES)
-    profiles = _type_profiles(genes, index, rng)
+    if spec.profile_seed is None:
+        profiles = _type_profiles(genes, index, rng)
+    else:
+        profiles = _type_profiles(genes, index, np.random.default_rng(spec.profile_seed))
+        profiles = _renormalised(profiles * rng.lognormal(0.0, REPLICATE_SD, len(genes)))
     sizes = np.array([CELL_TYPES[t][1] for t in type_names])
     shares = np.array([spec.composition.get(t, 0.0) for t in type_names])
+    if spec.condition_effect:
+        profiles = _renormalised(profiles * condition_factors(genes))
+        shares = shares * np.array([CONDITION_SHIFT.get(t, 1.0) for t in type_names])
     shares = shares / shares.sum()
 
     n_doublets = round(spec.doublet_fraction * spec.n_cells)
@@ -382,6 +444,7 @@ def simulate(spec: SampleSpec) -> tuple[ad.AnnData, pd.DataFrame]:
     labels += ["empty"] * n_empty
 
     mean = np.vstack([mean, doublet_mean, empty_mean])
+    planted = _ambient_load(spec, mean, ambient, n_singlets + n_doublets)
     theta = rng.lognormal(np.log(4), 0.5, len(genes))  # per-gene inverse overdispersion
     chunks = [  # row blocks keep the float64 draws small
         sparse.csr_matrix(rng.poisson(rng.gamma(theta, block / theta)).astype(np.float32))
@@ -401,6 +464,8 @@ def simulate(spec: SampleSpec) -> tuple[ad.AnnData, pd.DataFrame]:
             "is_empty": np.r_[np.zeros(spec.n_cells, bool), np.ones(n_empty, bool)],
         }
     )
+    if spec.ambient_fraction > 0:  # the column only where a load was planted: demo files stay
+        truth["ambient_fraction"] = planted
     order = rng.permutation(n)  # barcodes in no particular order, as a real matrix
     truth = truth.iloc[order].reset_index(drop=True)
     adata = ad.AnnData(
@@ -415,6 +480,28 @@ def simulate(spec: SampleSpec) -> tuple[ad.AnnData, pd.DataFrame]:
         ),
     )
     return adata, truth
+
+
+# Spread of the cells' ambient shares around their mean: Beta(a, b) with a + b = this.
+AMBIENT_CONCENTRATION = 40.0
+
+
+def _ambient_load(spec: SampleSpec, mean: np.ndarray, ambient: np.ndarray, n_cells: int) -> Any:
+    """Mix the ambient profile into the first ``n_cells`` rows of expected counts (in place),
+    each row's share drawn around ``spec.ambient_fraction`` and its total kept; the shares
+    (1 for empty droplets, all ambient). Draws from a generator of its own, so that a sample
+    without a load is drawn exactly as before."""
+    shares = np.ones(len(mean))
+    if spec.ambient_fraction <= 0:
+        shares[:n_cells] = 0.0
+        return shares
+    rng = np.random.default_rng([spec.seed, 1])
+    a = spec.ambient_fraction * AMBIENT_CONCENTRATION
+    shares[:n_cells] = rng.beta(a, AMBIENT_CONCENTRATION - a, n_cells)
+    totals = mean[:n_cells].sum(axis=1, keepdims=True)
+    cells = shares[:n_cells, None]
+    mean[:n_cells] = (1 - cells) * mean[:n_cells] + cells * totals * ambient[None, :]
+    return shares
 
 
 def _barcodes(n: int, rng: np.random.Generator) -> list[str]:
@@ -490,6 +577,11 @@ def write_sample(spec: SampleSpec, outdir: str | Path) -> Path:
         "n_barcodes": adata.n_obs,
         "n_genes": adata.n_vars,
     }
+    if spec.condition_effect:  # the planted truth a test of conditions must find
+        record["condition_effect"] = {
+            "genes": list(CONDITION_GENES), "fold": CONDITION_FOLD,
+            "cell_types": list(CONDITION_TYPES), "composition_factors": CONDITION_SHIFT,
+        }  # fmt: skip
     (outdir / PARAMS_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return target
 
@@ -521,6 +613,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     custom.add_argument("--doublets", type=float, default=0.05, help="fraction of doublet barcodes")
     custom.add_argument("--empty", type=float, default=0.08, help="empty barcodes per cell barcode")
     custom.add_argument("--median-umis", type=float, default=4000.0, help="median UMIs per cell")
+    custom.add_argument(
+        "--ambient", type=float, default=0.0, help="mean share of each cell's UMIs from ambient RNA"
+    )
     custom.add_argument("--format", choices=FORMATS, default="mtx", help="file format written")
 
 
@@ -535,7 +630,7 @@ def main(args: argparse.Namespace) -> int:
             spec = SampleSpec(
                 args.name, args.cells, seed=args.seed, damaged_fraction=args.damaged,
                 doublet_fraction=args.doublets, empty_fraction=args.empty,
-                median_umis=args.median_umis, format=args.format,
+                median_umis=args.median_umis, ambient_fraction=args.ambient, format=args.format,
             )  # fmt: skip
         except ValueError as e:
             say.error(f"{e}")

@@ -23,8 +23,6 @@ from agent.config import LOAD_OPTIONS
 from agent.policies.base import Decision, ToolCall
 
 Args = dict[str, Any]
-# load_data's modality of Visium-like data (spelled here: the policy imports no scanpy module)
-SPOTS = "spatial spots"
 # Tools whose failure means the input cannot be analysed: no finish with what there is (for
 # call_cells that would be an analysis of empty droplets).
 REFUSES_INPUT = ("call_cells",)
@@ -43,8 +41,8 @@ class Step:
     kind: str | None = None  # plots: one step per kind (and colour) of figure
     color: str | None = None
     # (key of the record's meta, wanted): the step applies only when the run set that option
-    # (True) or only when it did not (False)
-    option: tuple[str, bool] | None = None
+    # (True), only when it did not (False), or only when it has this value (a string)
+    option: tuple[str, bool | str] | None = None
 
     def matches(self, tool: str, params: Args) -> bool:
         if tool != self.tool:
@@ -78,22 +76,22 @@ def _qc_thresholds(facts: Facts) -> Args | None:
     return {k: suggested[k] for k in keys if suggested.get(k) is not None}
 
 
-def _doublet_rate(facts: Facts) -> Args | None:
+def _doublet_rate(facts: Facts) -> Args:
     # 10x: ~0.8% doublets per 1,000 cells recovered; below 7,500 cells Scrublet's customary 6%,
-    # as its automatic threshold lands too high with a low expected rate. Under 100 cells
-    # (detect_doublets' MIN_CELLS) doublets cannot be called: the step does not apply; nor to
-    # spatial spots, which hold several cells by design.
+    # as its automatic threshold lands too high with a low expected rate. Where doublets cannot
+    # be called (too few cells, spatial spots) the tool says so and calls none.
     cells = facts("filter_by_qc").get("cells_after") or facts("qc_metrics").get("n_cells", 5000)
-    if cells < 100 or facts("load_data").get("modality") == SPOTS:
-        return None
     return {"expected_doublet_rate": round(min(0.15, max(0.06, 0.008 * cells / 1000)), 3)}
 
 
-def _doublet_threshold(facts: Facts) -> Args | None:
-    # The one failure a threshold fixes is Scrublet finding none automatically; too few cells or
-    # PCs are handled above and in the tool, so this is not sent where calling cannot work.
-    rate = _doublet_rate(facts)
-    return None if rate is None else {**rate, "threshold": 0.25}
+def _doublet_threshold(facts: Facts) -> Args:
+    # The one failure a threshold fixes is Scrublet finding none automatically
+    return {**_doublet_rate(facts), "threshold": 0.25}
+
+
+def _if_doublets_called(args: Args) -> ArgsFn:
+    """``args`` where detect_doublets called doublets; None where it said it could not."""
+    return lambda facts: None if facts("detect_doublets").get("skipped") else dict(args)
 
 
 def _hvg(flavor: str) -> ArgsFn:
@@ -138,14 +136,29 @@ def _conclusion(facts: Facts) -> Args:
     parts = []
     if facts("call_cells").get("decision") == "unfiltered":
         parts.append(facts("call_cells")["reason"])
-    if facts("load_data").get("modality") == SPOTS:
-        parts.append("spatial spots: doublet detection skipped (a spot holds several cells)")
+        parts += facts("call_cells").get("warnings") or []  # cells left uncalled, said here
+    doublets = facts("detect_doublets")
+    if doublets.get("skipped"):
+        parts.append(doublets["skipped"])
+    parts += doublets.get("warnings") or []  # a call bounded to the expected rate, with why
     if "removed" in facts("filter_by_qc"):
         parts.append(f"QC removed {facts('filter_by_qc')['removed']} low-quality cells")
     if "max_pct_mt" in (facts("qc_metrics").get("not_applied") or {}):
         parts.append("no mitochondrial genes: no MT filter")
     if "removed" in facts("remove_doublets"):
         parts.append(f"{facts('remove_doublets')['removed']} predicted doublets")
+    elif facts("detect_doublets").get("n_predicted_doublets"):
+        parts.append(
+            f"{facts('detect_doublets')['n_predicted_doublets']} predicted doublets flagged and "
+            "kept, left out of markers and labels' evidence"
+        )
+    ambient = facts("remove_ambient")
+    if ambient:
+        parts.append(
+            f"ambient RNA ({ambient['method']}): contamination {ambient['contamination']:g}, "
+            f"{ambient['removed_fraction']:.1%} of the counts removed into "
+            f"layers['{ambient['layer']}']"
+        )
     leiden = facts("leiden")
     if "n_clusters" in leiden:
         parts.append(
@@ -175,8 +188,33 @@ def _conclusion(facts: Facts) -> Args:
     return {"conclusion": "Reference scanpy recipe. " + "; ".join(parts) + "."}
 
 
+def _partial(conclusion: ArgsFn, refused: Any) -> ArgsFn:
+    """finish's arguments once it refused the analysis as incomplete: the conclusion, and as the
+    partial reason the stages its refusal names, which the recipe could not reach."""
+
+    def args(facts: Facts) -> Args:
+        found = ((refused.result or {}).get("checks") or [{}])[0]
+        missing = (found.get("evidence") or {}).get("missing") or {}
+        stages = ", ".join(f"{k} ({v})" for k, v in missing.items()) or refused.error
+        why = f"the reference recipe could not reach: {stages}"
+        return {**(conclusion(facts) or {}), "partial": why}
+
+    return args
+
+
 # set when the run has a CellTypist model (agent run --celltypist-model)
 MODEL = "celltypist_model_sha256"
+# the run's doublets setting (agent run --doublets); records made before it removed them
+DOUBLETS = "doublets"
+OPTION_DEFAULTS = {DOUBLETS: "remove"}
+
+
+def _option_holds(option: tuple[str, bool | str], meta: dict[str, Any]) -> bool:
+    key, wanted = option
+    if isinstance(wanted, bool):
+        return bool(meta.get(key)) == wanted
+    return meta.get(key, OPTION_DEFAULTS.get(key)) == wanted
+
 
 RECIPE: tuple[Step, ...] = (
     Step("load_data", _const({}), required=True),
@@ -193,8 +231,8 @@ RECIPE: tuple[Step, ...] = (
     Step("filter_by_qc", _qc_thresholds, fallbacks=(_const({"max_pct_mt": 20.0}),)),
     Step("detect_doublets", _doublet_rate, fallbacks=(_doublet_threshold,)),
     # the scores with the threshold, before the cells above it are removed
-    Step("plot", _const({"kind": "doublet_scores"}), kind="doublet_scores"),
-    Step("remove_doublets", _const({})),
+    Step("plot", _if_doublets_called({"kind": "doublet_scores"}), kind="doublet_scores"),
+    Step("remove_doublets", _if_doublets_called({}), option=(DOUBLETS, "remove")),
     Step("normalize", _const({}), required=True),
     Step("highly_variable_genes", _hvg("seurat_v3"), fallbacks=(_hvg("seurat"),)),
     Step("scale", _const({"max_value": 10.0})),
@@ -203,6 +241,10 @@ RECIPE: tuple[Step, ...] = (
     Step("umap", _const({})),
     Step("cluster_sweep", _const({})),
     Step("leiden", _leiden, fallbacks=(_const({"resolution": 1.0}),), required=True),
+    # ambient RNA, per sample, on the clusters (SoupX needs them): SoupX where the empty droplets
+    # were read, else DecontX, and DecontX where SoupX has no estimate; the corrected counts are
+    # a layer beside the raw ones (nf-core/scdownstream's default), markers stay on the raw
+    Step("remove_ambient", _const({}), fallbacks=(_const({"method": "decontx"}),)),
     Step("rank_genes_groups", _const({"groupby": "leiden", "method": "wilcoxon"}),
          fallbacks=(_const({"groupby": "leiden", "method": "t-test"}),)),
     Step("annotate_clusters", _const({"groupby": "leiden"}), option=(MODEL, False)),
@@ -298,7 +340,7 @@ class ReferencePolicy:
             )
 
         for step in self.recipe:
-            if step.option and bool(world.meta.get(step.option[0])) != step.option[1]:
+            if step.option and not _option_holds(step.option, world.meta):
                 continue
             attempts = [e for e in entries if step.matches(e.tool, _params(e))]
             if any(e.status == "ok" for e in attempts):
@@ -319,7 +361,10 @@ class ReferencePolicy:
             if step.tool in REFUSES_INPUT and attempts:
                 return Decision(text=f"input refused: {attempts[-1].error}", finish_reason="stop")
             tried = [_params(e) for e in attempts]
-            for variant in (step.args, *step.fallbacks):  # the first not tried yet
+            fallbacks = step.fallbacks
+            if step.tool == "finish" and attempts:  # refused as incomplete: say so, and why
+                fallbacks = (*fallbacks, _partial(step.args, attempts[-1]))
+            for variant in (step.args, *fallbacks):  # the first not tried yet
                 args = variant(facts)
                 if args is None or any(
                     _same(args, done, defaults.get(step.tool, {})) for done in tried
@@ -337,12 +382,8 @@ class ReferencePolicy:
             finish = self.recipe[-1]
             finished_tries = sum(1 for e in entries if e.tool == finish.tool)
             if "load_data" in ok_tools and step.tool != finish.tool and finished_tries == 0:
-                return call(
-                    finish,
-                    {
-                        "conclusion": f"stopped early: {step.tool} failed ({attempts[-1].error if attempts else 'no arguments'})"
-                    },
-                )
+                why = f"{step.tool} failed ({attempts[-1].error if attempts else 'no arguments'})"
+                return call(finish, {"conclusion": f"stopped early: {why}", "partial": why})
             reason = attempts[-1].error if attempts else "no arguments"
             return Decision(
                 text=f"reference recipe cannot go on: {step.tool} failed ({reason})",

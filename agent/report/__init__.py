@@ -1,13 +1,20 @@
 """`python -m agent report`: the cohort report from the samples' world states and replays.
 
-Writes into OUTDIR: cohort.tsv (one row per sample: provenance, outcomes, every parameter
-chosen, drift and outlier flags), index.html (the cohort: summary, figures embedded as PNG, one
-compact samples table, sortable and filterable, its columns in views; the performance section
-from the servers' metrics files and the samples' metrics, agent/report/performance.py),
-samples/NAME.html (one self-contained page per sample: details, replay, plots, parameters,
-steps; linked from the index)
+Writes into OUTDIR: cohort.tsv (one row per sample: provenance, outcomes, the checks of the
+model's decisions counted, every parameter chosen (a repeated filter's in force), drift and
+outlier flags), index.html (the cohort: summary, figures embedded as PNG, one compact samples
+table, sortable and filterable, its columns in views; the samples to look at, with their checks
+that warned or were refused; the performance section from the servers' metrics files and the
+samples' metrics, agent/report/performance.py), samples/NAME.html (one self-contained page per
+sample: checks, details, replay, plots, parameters, steps; linked from the index)
 and ro-crate/ (a Workflow Run RO-Crate); with --comparison, a copy of what `agent compare`
-wrote (comparison.tsv, comparison.html), linked from the index.
+wrote (comparison.tsv, comparison.html), linked from the index; with --eval, the model's
+evaluation (`agent eval`'s eval.json and eval.html) copied and linked with its score when it
+evaluated the samples' model, named as another model's otherwise (agent/report/evaluation.py);
+with --composition, each sample's share of every label (`agent composition`: composition.tsv
+copied beside cohort.tsv, the stacked bars and the test of conditions in the index); with --de,
+the differential expression per label (`agent de`: its tables copied into de/, volcanoes and top
+genes in the index).
 A sample that failed, or whose world state is missing or unreadable, is shown as failed; it
 never stops the report.
 """
@@ -86,10 +93,16 @@ def build_report(
     server_metrics: list[Path] | None = None,
     cohort_dir: Path | None = None,
     comparison_dir: Path | None = None,
+    evaluation: Path | None = None,
+    composition_dir: Path | None = None,
+    de_dir: Path | None = None,
 ) -> list[Sample]:
     """Write cohort.tsv, index.html, samples/ and ro-crate/ into ``outdir``; returns the samples."""
+    from agent.cohort import composition as composition_step
+    from agent.cohort import de as de_step
     from agent.cohort.compare import HTML, copy_into_report
     from agent.cohort.integrate import report_view
+    from agent.report import evaluation as model_eval
     from agent.report import performance
     from agent.report.cohort import build_table, parameter_columns
     from agent.report.collect import load_sample
@@ -131,15 +144,22 @@ def build_report(
     perf_view = {**performance.view(perf), "figure": server_over_run(perf.shards)}
     cohort = report_view(cohort_dir) if cohort_dir is not None else None  # agent integrate's
     comparison = copy_into_report(comparison_dir, outdir)  # agent compare's, when there is one
+    evaluated = model_eval.include(evaluation, samples, outdir)  # agent eval's, when given
+    # agent composition's and agent de's: their tables copied, their views in the index
+    steps = composition_step.copy_into_report(composition_dir, outdir)
+    steps += de_step.copy_into_report(de_dir, outdir)
     index = render_index(
         ctx, samples, figures, threshold, floor, perf_view, cohort=cohort,
-        comparison=HTML if comparison else None,
+        comparison=HTML if comparison else None, evaluation=model_eval.view(evaluated),
+        composition=composition_step.report_view(composition_dir) if composition_dir else None,
+        de=de_step.report_view(de_dir) if de_dir else None,
     )  # fmt: skip
     publish(outdir / "index.html", index.encode())
     progress("drew the figures and wrote index.html")
     write_crate(
         outdir, samples, [outdir / "cohort.tsv", outdir / "index.html"], workflow_root, pages,
-        cohort_dir=cohort_dir, comparison=comparison,
+        cohort_dir=cohort_dir, comparison=comparison, evaluation=evaluated,
+        composition_dir=composition_dir, de_dir=de_dir,
     )  # fmt: skip
     progress("wrote the RO-Crate")
     return samples
@@ -182,9 +202,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the cohort object's folder (`agent integrate --outdir`), shown when it holds one",
     )  # fmt: skip
     p.add_argument(
+        "--composition", type=Path, metavar="DIR",
+        help="each sample's share of every label (`agent composition --outdir`), shown when it "
+        "holds one",
+    )  # fmt: skip
+    p.add_argument(
+        "--de", type=Path, metavar="DIR",
+        help="differential expression per label (`agent de --outdir`), shown when it holds one",
+    )  # fmt: skip
+    p.add_argument(
         "--comparison", type=Path, metavar="DIR",
         help="what reprocessing changed (`agent compare --outdir`): copied into the report and "
         "linked when it holds one",
+    )  # fmt: skip
+    p.add_argument(
+        "--eval", type=Path, metavar="FILE",
+        help="the model's evaluation (`agent eval`'s eval.json, eval.html beside it): copied and "
+        "linked with its score when it evaluated the samples' model (model id and revision)",
     )  # fmt: skip
 
 
@@ -217,6 +251,9 @@ def main(args: argparse.Namespace) -> int:
             args.server_metrics,
             args.cohort,
             args.comparison,
+            args.eval,
+            args.composition,
+            args.de,
         )
     except ValueError as e:
         say.error(str(e))
@@ -225,8 +262,10 @@ def main(args: argparse.Namespace) -> int:
         say.error(f"cannot write the report into {args.outdir}: {e}")
         return 1
     failed = [s.name for s in samples if s.failed]
+    partial = [s.name for s in samples if s.status == "partial"]
     print(
-        f"report of {len(samples)} samples ({len(failed)} failed{': ' + ', '.join(failed) if failed else ''})"
+        f"report of {len(samples)} samples ({len(failed)} failed{': ' + ', '.join(failed) if failed else ''}"
+        f"{f'; {len(partial)} partial: ' + ', '.join(partial) if partial else ''})"
         f" in {args.outdir}/index.html, cohort.tsv and ro-crate/"
     )
     return 0

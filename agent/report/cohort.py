@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pandas as pd
 
+from agent.report.checks import COLUMNS as CHECK_COLUMNS
 from agent.report.collect import MODEL_PROVENANCE, Sample, seconds_between
 from agent.tool_kinds import TOOL_KINDS
 
@@ -15,12 +16,13 @@ from agent.tool_kinds import TOOL_KINDS
 NOT_CHOICES = frozenset(name for name, spec in TOOL_KINDS.items() if not spec.mutates)
 CELL_FILTERS = tuple(name for name, spec in TOOL_KINDS.items() if spec.kind == "cell_filter")
 OUTCOME_COLUMNS = (
-    "sample", "status", "error", "drift", "outliers", "input", "input_sha256", "policy", "model",
-    *MODEL_PROVENANCE, "reference_annotation", "server_flags", "seed", "steps", "errors",
-    "iterations", "seconds",
+    "sample", "status", "error", "drift", "outliers", *CHECK_COLUMNS, "input", "input_sha256",
+    "policy", "model", *MODEL_PROVENANCE, "reference_annotation", "server_flags", "seed", "steps",
+    "errors", "iterations", "seconds",
     "decide_seconds", "tool_seconds", "prompt_tokens", "completion_tokens", "cached_tokens",
     "cached_ratio", "truncations", "reprefilled_tokens", "cells_before", "genes_before",
-    "cells_after", "genes_after", "cells_kept_fraction", "cells_removed_qc", "doublets_removed",
+    "cells_after", "genes_after", "cells_kept_fraction", "cells_removed_qc", "doublets",
+    "doublets_removed", "doublets_flagged", "ambient_method", "ambient_contamination",
     "clusters", "labels", "replay", "ari", "doublet_recall", "damaged_removed", "planted_types",
 )  # fmt: skip
 
@@ -42,10 +44,17 @@ def _sum_results(sample: Sample, tools: tuple[str, ...], key: str) -> Any:
 
 
 def chosen_parameters(sample: Sample) -> dict[str, Any]:
-    """``tool.param`` -> value of the last successful call of each analysis tool, in call order."""
+    """``tool.param`` -> value of the last successful call of each analysis tool, in call order;
+    a filter applied more than once shows the thresholds in force, the strictest of its
+    applications (its filter_repeated check)."""
     latest = {e.tool: e for e in sample.entries if e.status == "ok" and e.tool not in NOT_CHOICES}
     ordered = sorted(latest.values(), key=lambda e: e.step)
-    return {f"{e.tool}.{k}": v for e in ordered for k, v in e.params.items()}
+    repeated = sample.checks.repeated_filters()
+    return {
+        f"{e.tool}.{k}": v
+        for e in ordered
+        for k, v in {**e.params, **repeated.get(e.tool, {}).get("effective", {})}.items()
+    }
 
 
 def labels_found(sample: Sample) -> str | None:
@@ -58,6 +67,38 @@ def labels_found(sample: Sample) -> str | None:
     if not sizes:
         return None
     return "; ".join(k for k, _ in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def doublet_mode(sample: Sample) -> str | None:
+    """The run's doublets setting ('remove' or 'flag'; records made before it removed them)."""
+    return sample.meta.get("doublets") or ("remove" if sample.world else None)
+
+
+def doublets_said(sample: Sample) -> str | None:
+    """What became of the predicted doublets, in words (the sample page)."""
+    predicted = _result(sample, "detect_doublets", "n_predicted_doublets")
+    if predicted is None:
+        return None
+    if doublet_mode(sample) == "flag":
+        return (
+            f"flagged and kept: {predicted} cells (obs['predicted_doublet']), left out of the "
+            "markers and of the labels' evidence"
+        )
+    removed = _result(sample, "remove_doublets", "removed")
+    return f"removed: {removed} cells" if removed is not None else f"{predicted} predicted"
+
+
+def ambient_said(sample: Sample) -> str | None:
+    """The ambient RNA estimate, in words (the sample page)."""
+    entry = sample.last_ok("remove_ambient")
+    if entry is None:
+        return None
+    found = entry.result or {}
+    return (
+        f"{found.get('method')}: contamination {found.get('contamination')}, "
+        f"{found.get('removed_fraction', 0):.1%} of the counts removed into "
+        f"layers['{found.get('layer')}'] (the raw counts kept)"
+    )
 
 
 def _run_row(sample: Sample) -> dict[str, Any]:
@@ -73,6 +114,7 @@ def _run_row(sample: Sample) -> dict[str, Any]:
         "sample": sample.name,
         "status": sample.status,
         "error": sample.error,
+        **sample.checks.columns(),
         "input": meta.get("input"),
         "input_sha256": meta.get("input_sha256"),
         "policy": meta.get("policy"),
@@ -118,7 +160,13 @@ def row(sample: Sample) -> dict[str, Any]:
         genes_after=_result(sample, "finish", "n_genes"),
         cells_kept_fraction=round(after / before, 4) if before and after is not None else None,
         cells_removed_qc=_sum_results(sample, CELL_FILTERS, "removed"),
+        doublets=doublet_mode(sample),
         doublets_removed=_sum_results(sample, ("remove_doublets",), "removed"),
+        doublets_flagged=_result(sample, "detect_doublets", "n_predicted_doublets")
+        if doublet_mode(sample) == "flag"
+        else None,
+        ambient_method=_result(sample, "remove_ambient", "method"),
+        ambient_contamination=_result(sample, "remove_ambient", "contamination"),
         clusters=_result(sample, "leiden", "n_clusters") or _result(sample, "finish", "n_clusters"),
         labels=labels_found(sample),
         ari=scores.get("ari"),

@@ -19,6 +19,8 @@ import pandas as pd
 
 from agent.durable import read_appended_rows
 from agent.layout import SampleLayout
+from agent.lock import holder_of
+from agent.report.checks import SampleChecks
 from agent.report.truth import read_truth, score
 from agent.world_state import Entry, WorldState
 
@@ -44,6 +46,7 @@ class Sample:
     final_obs: pd.DataFrame | None = None
     plots: list[Path] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    running: str | None = None  # who holds the folder of a run going on now (not failed)
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -91,17 +94,23 @@ class Sample:
 
     @property
     def failed(self) -> bool:
-        return self.status != "finished"
+        """Neither finished nor partial (a partial analysis ended by finish, told why)."""
+        return self.status not in ("finished", "partial") and self.running is None
 
     @property
     def error(self) -> str | None:
-        """Why the sample failed, in one line, or None."""
-        if not self.failed:
+        """Why the sample failed, or why it is partial, in one line; None when it finished."""
+        if self.status == "finished":
             return None
         return self.meta.get("error") or "; ".join(self.problems) or f"run status {self.status}"
 
     def last_ok(self, tool: str) -> Entry | None:
         return self.world.last_ok(tool) if self.world else None
+
+    @functools.cached_property
+    def checks(self) -> SampleChecks:
+        """The checks of the run's decisions: the record's, else computed from its steps."""
+        return SampleChecks.of(self.world)
 
 
 def read_replay(path: Path) -> dict[str, Any]:
@@ -167,6 +176,10 @@ def load_sample(
         return sample
     sample.name = str(sample.meta.get("sample") or folder.name)
     sample.status = str(sample.meta.get("status") or "unknown")
+    if sample.status == "running":  # going on while the report is built, or killed unawares
+        sample.running = holder_of(SampleLayout(folder).lock)
+        if sample.running:
+            sample.problems.append(f"still running ({sample.running}) as the report was built")
 
     def attempt(what: str, fn: Any) -> Any:
         try:

@@ -4,16 +4,20 @@ The crate (``ro-crate/`` beside the report) holds copies of the small artifacts 
 replays, metrics, the cohort table and page, the workflow's Snakefile and rules) and refers to
 the large ones (inputs, final AnnData objects) by absolute ``file://`` URI with their size and,
 for inputs, the sha256 the world state recorded. Each sample's analysis and replay is a
-CreateAction whose instrument is the agent with its package versions; the cohort run is one more
-CreateAction whose instrument is the workflow (Workflow Run Crate profile 0.5). What reprocessing
-changed (`agent compare`, when the report has it) is a CreateAction whose objects are every
-record it read, old and new, by URI and sha256. The cohort object (`agent integrate`, when the
-report has it) is one too: every input record and final object by sha256, the integration
-library as instrument.
+CreateAction whose instrument is the agent with its package versions; the analysis' results
+carry its checks (``samples/NAME/checks.json``, and each that warned or was refused as a
+PropertyValue), and a partial analysis is a failed action whose error says why. The cohort run
+is one more CreateAction whose instrument is the workflow (Workflow Run Crate profile 0.5). What
+reprocessing changed (`agent compare`, when the report has it) is a CreateAction whose objects
+are every record it read, old and new, by URI and sha256. The cohort object (`agent integrate`,
+when the report has it) is one too: every input record and final object by sha256, the
+integration library as instrument. The model's evaluation (`agent eval`, when the report links
+it: the samples' model) is one too: its eval.json and page as results, its score and model named.
 """
 
 from __future__ import annotations
 
+import io
 import re
 import shutil
 from datetime import UTC, datetime
@@ -30,7 +34,9 @@ from agent.cohort.compare import TSV, input_records
 from agent.cohort.integrate import SUMMARY, is_integrated, read_summary
 from agent.layout import SampleLayout
 from agent.provenance import versions
+from agent.report.checks import SOURCES
 from agent.report.collect import Sample
+from agent.report.evaluation import Evaluation
 
 PROFILES = {
     "https://w3id.org/ro/wfrun/process/0.5": "Process Run Crate",
@@ -40,6 +46,7 @@ PROFILES = {
 WORKFLOW_FILES = (
     "workflow/Snakefile", "Snakefile", "workflow/rules/*.smk", "workflow/schemas/*", "config/*",
 )  # fmt: skip
+CHECKS = "checks.json"  # the crate's file of a sample's checks, beside its copied record
 STATUS = {
     True: "http://schema.org/CompletedActionStatus",
     False: "http://schema.org/FailedActionStatus",
@@ -127,6 +134,47 @@ def _model_settings(crate: ROCrate, sample: Sample) -> list[ContextEntity]:
     return out
 
 
+def _checks(crate: ROCrate, sample: Sample, base: SampleLayout) -> list[ContextEntity]:
+    """The checks of a sample's decisions (agent/report/checks.py) among its analysis' results:
+    every check, with its evidence, in ``samples/NAME/checks.json``; each that was refused or
+    warned also as a PropertyValue (name: the rule and step, value: the verdict, description:
+    the message), so a reader of the metadata alone sees them. None without a record."""
+    found = sample.checks
+    if found.source == "none":
+        return []
+    doc = {
+        "source": found.source,
+        "source_says": SOURCES[found.source],
+        **({"note": found.note} if found.note else {}),
+        "checks": [c.model_dump() for c in found.checks],
+    }
+    listed = crate.add_file(
+        io.BytesIO(orjson.dumps(doc, option=orjson.OPT_INDENT_2)),
+        str(base.root / CHECKS),
+        properties={
+            "name": f"checks of {sample.name}: {found.summary() or 'none'} ({found.source})",
+            "description": "each check of the model's decisions: rule, verdict (pass, warn, "
+            "refused), message, evidence, step and tool (agent/checks.py RULES)",
+            "encodingFormat": "application/json",
+        },
+    )
+    flagged = [
+        crate.add(
+            ContextEntity(
+                crate,
+                f"#analyze-{sample.name}/check-{i}",
+                properties={
+                    "@type": "PropertyValue", "value": c.verdict, "description": c.message,
+                    "name": f"check {c.rule}" + (f" (step {c.step}, {c.tool})" if c.step else ""),
+                },
+            )
+        )
+        for i, c in enumerate(found.checks, 1)
+        if c.verdict != "pass"
+    ]  # fmt: skip
+    return [listed, *flagged]
+
+
 def _sample_actions(
     crate: ROCrate, sample: Sample, agent_for: Any
 ) -> tuple[list[ContextEntity], list[Any], list[Any]]:
@@ -178,10 +226,12 @@ def _sample_actions(
         instrument,
         f"#analyze-{sample.name}",
         object=[*inputs, *settings],
-        result=outputs,
+        result=[*outputs, *_checks(crate, sample, base)],
         properties={
-            "name": f"analyse {sample.name} ({meta.get('policy', 'unknown')} policy)",
-            "actionStatus": {"@id": STATUS[not sample.failed]},
+            "name": f"analyse {sample.name} ({meta.get('policy', 'unknown')} policy)"
+            + ("" if sample.status == "finished" else f": {sample.status}"),
+            # partial too: the analysis the action set out to do was not completed
+            "actionStatus": {"@id": STATUS[sample.status == "finished"]},
             **({"startTime": meta["started"]} if meta.get("started") else {}),
             **({"endTime": meta["ended"]} if meta.get("ended") else {}),
             **({"error": sample.error} if sample.error else {}),
@@ -218,19 +268,117 @@ def _sample_actions(
     return actions, inputs, outputs
 
 
-def _cohort_action(crate: ROCrate, folder: Path, summary: dict[str, Any]) -> ContextEntity:
-    """The integration (`agent integrate`): every input record and final object by sha256, the
-    library and its version as instrument, the cohort object, its summary and UMAPs as results.
-    A cohort not integrated (too few finished samples): the agent as instrument, the summary the
-    only result, failed with the summary's statement as its error."""
+def _records(crate: ROCrate, records: list[dict[str, str]]) -> list[ContextEntity]:
+    """Each finished sample's world state and final AnnData (integrate.InputRecord) by URI and
+    sha256, shared between the actions that read them."""
     inputs = []
-    for record in summary["inputs"]:
+    for record in records:
         for key, what in (("world_state", "world state"), ("adata", "final AnnData")):
             uri = _uri(Path(record[key]))
             props = {"name": f"{what} of {record['sample']}", "sha256": record[f"{key}_sha256"]}
             entity = crate.get(uri) or crate.add_file(uri, properties=props)
             entity["sha256"] = props["sha256"]
             inputs.append(entity)
+    return inputs
+
+
+def _settings(crate: ROCrate, action: str, settings: dict[str, Any]) -> list[ContextEntity]:
+    """A cohort step's settings as PropertyValues among its action's objects (lists and
+    mappings as JSON); those without a value left out."""
+    return [
+        crate.add(
+            ContextEntity(
+                crate, f"#{action}/{key}",
+                properties={
+                    "@type": "PropertyValue", "name": key,
+                    "value": value if isinstance(value, str) else orjson.dumps(value).decode(),
+                },
+            )
+        )
+        for key, value in settings.items()
+        if value not in (None, "", {}, [])
+    ]  # fmt: skip
+
+
+def _composition_action(crate: ROCrate, folder: Path, summary: dict[str, Any]) -> ContextEntity:
+    """`agent composition`: the records and final objects it read, its settings and design
+    (samples per condition, those left out) as PropertyValues; its summary, table and figure."""
+    from agent.cohort.composition import SUMMARY as COMPOSITION
+
+    results = [crate.add_file(folder / COMPOSITION, f"cohort/composition/{COMPOSITION}")]
+    for name in (summary.get("table"), summary.get("plot")):
+        if name and (folder / name).is_file():
+            results.append(crate.add_file(folder / name, f"cohort/composition/{name}"))
+    design = summary["design"]
+    settings = {
+        **summary["parameters"], "method": summary.get("method"),
+        "labels_from": summary["labels_from"]["labels"], "samples_per_condition": design["samples"],
+        "left_out": {**summary["left_out"], **design["left_out"]}, "no_test": summary["statement"],
+    }  # fmt: skip
+    tested = f"; {summary['method'].split(':')[0]}" if summary.get("method") else ""
+    return crate.add_action(
+        _agent(crate, versions()),
+        "#cohort-composition",
+        object=_records(crate, summary["inputs"])
+        + _settings(crate, "cohort-composition", settings),
+        result=results,
+        properties={
+            "name": f"cell-type composition of {len(summary['samples'])} samples{tested}",
+            "actionStatus": {"@id": STATUS[True]},
+        },
+    )
+
+
+def _de_action(crate: ROCrate, folder: Path, summary: dict[str, Any]) -> ContextEntity:
+    """`agent de`: the records and final objects it read; the design, minimum cells per
+    pseudobulk and samples per condition, the samples each comparison used and the labels not
+    tested as PropertyValues; PyDESeq2 as instrument; its summary, pseudobulk counts (by URI),
+    tables and volcanoes as results."""
+    from agent.cohort.de import SUMMARY as DE
+
+    results = [crate.add_file(folder / DE, f"cohort/de/{DE}")]
+    if summary.get("pseudobulk") and (folder / summary["pseudobulk"]).is_file():
+        bulk = folder / summary["pseudobulk"]
+        results.append(crate.add_file(_uri(bulk), properties={
+            "name": "pseudobulk counts per sample and label (AnnData)",
+            "contentSize": bulk.stat().st_size,
+        }))  # fmt: skip
+    for t in summary["tested"]:
+        for name in (t["table"], t["plot"]):
+            if (folder / name).is_file():
+                results.append(crate.add_file(folder / name, f"cohort/de/{name}"))
+    settings = {
+        key: summary.get(key)
+        for key in ("design", "condition_column", "reference", "min_cells", "min_samples",
+                    "gene_filter", "alpha", "method", "statement")
+    }  # fmt: skip
+    settings["samples_used"] = {
+        f"{t['label']}: {t['condition']}": t["samples"] for t in summary["tested"]
+    }
+    settings["not_tested"] = summary["not_tested"]
+    settings["left_out"] = summary["left_out"]
+    library = summary.get("library") or {}
+    instrument = _software(crate, library)[0] if library else _agent(crate, versions())
+    name = (
+        f"differential expression of {len(summary['tested'])} label comparison(s)"
+        if not summary["statement"]
+        else f"differential expression: no test ({summary['statement']})"
+    )
+    return crate.add_action(
+        instrument,
+        "#cohort-de",
+        object=_records(crate, summary["inputs"]) + _settings(crate, "cohort-de", settings),
+        result=results,
+        properties={"name": name, "actionStatus": {"@id": STATUS[True]}},
+    )
+
+
+def _cohort_action(crate: ROCrate, folder: Path, summary: dict[str, Any]) -> ContextEntity:
+    """The integration (`agent integrate`): every input record and final object by sha256, the
+    library and its version as instrument, the cohort object, its summary and UMAPs as results.
+    A cohort not integrated (too few finished samples): the agent as instrument, the summary the
+    only result, failed with the summary's statement as its error."""
+    inputs = _records(crate, summary["inputs"])
     if not is_integrated(summary):
         return crate.add_action(
             _agent(crate, versions()),
@@ -290,6 +438,22 @@ def _comparison_action(crate: ROCrate, files: list[Path]) -> ContextEntity:
     )
 
 
+def _evaluation_action(crate: ROCrate, found: Evaluation) -> ContextEntity:
+    """The model's evaluation before the cohort (`agent eval`), which the report links: its file
+    and page (the report's copies) as results, the agent at the eval's versions as instrument."""
+    score = "no score" if found.score is None else f"score {found.score:.4g}"
+    return crate.add_action(
+        _agent(crate, found.doc.get("versions") or versions()),
+        "#evaluate-model",
+        result=[crate.add_file(f, f.name) for f in found.files],
+        properties={
+            "name": f"evaluation of {found.model}: {score} (matched on {found.basis})",
+            "actionStatus": {"@id": STATUS[True]},
+            **({"startTime": found.doc["started"]} if found.doc.get("started") else {}),
+        },
+    )
+
+
 def write_crate(
     outdir: Path,
     samples: list[Sample],
@@ -298,6 +462,9 @@ def write_crate(
     pages: Path | None = None,
     cohort_dir: Path | None = None,
     comparison: list[Path] | None = None,
+    evaluation: Evaluation | None = None,
+    composition_dir: Path | None = None,
+    de_dir: Path | None = None,
 ) -> Path:
     """Write ``outdir/ro-crate/``; returns the path of its ro-crate-metadata.json."""
     target = outdir / "ro-crate"
@@ -341,7 +508,7 @@ def write_crate(
         result=[*outputs, *report],
         properties={
             "name": f"cohort run of {len(samples)} samples",
-            "actionStatus": {"@id": STATUS[all(not s.failed for s in samples)]},
+            "actionStatus": {"@id": STATUS[all(s.status == "finished" for s in samples)]},
             "endTime": datetime.now(UTC).isoformat(timespec="seconds"),
             **({"startTime": started[0]} if started else {}),
         },
@@ -350,6 +517,14 @@ def write_crate(
         actions.append(_cohort_action(crate, cohort_dir, summary))
     if comparison:  # agent compare's table and page, copied into the report
         actions.append(_comparison_action(crate, comparison))
+    if evaluation is not None and evaluation.files:  # linked: an evaluation of the samples' model
+        actions.append(_evaluation_action(crate, evaluation))
+    from agent.cohort import composition, de
+
+    for folder, read, action in ((composition_dir, composition.read_summary, _composition_action),
+                                 (de_dir, de.read_summary, _de_action)):  # fmt: skip
+        if folder is not None and (summary := read(folder)) is not None:
+            actions.append(action(crate, folder, summary))
     crate.root_dataset["mentions"] = [run, *actions]
     crate.write(target)
     return target / "ro-crate-metadata.json"

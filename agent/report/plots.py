@@ -25,6 +25,7 @@ from agent.report.performance import Shard
 from agent.tool_kinds import TOOL_KINDS
 
 KEPT, REMOVED, FAILED, FLAGGED, MEDIAN = "#2b6cb0", "#cbd5e0", "#c53030", "#dd6b20", "#718096"
+PARTIAL = "#b7791f"  # amber: neither finished nor failed
 # the filters' thresholds: QC parameters in the cohort figures
 QC_TOOLS = tuple(
     name for name, spec in TOOL_KINDS.items() if spec.kind in ("cell_filter", "gene_filter")
@@ -91,8 +92,12 @@ def _hist(ax: plt.Axes, x: np.ndarray, label: str, integer: bool = False) -> Non
     ax.set_ylabel("samples")
 
 
+def _status_colour(status: str) -> str:
+    return PARTIAL if status == "partial" else FAILED
+
+
 def _failed_note(table: pd.DataFrame) -> str:
-    failed = int((table["status"] != "finished").sum())
+    failed = int((~table["status"].isin(["finished", "partial"])).sum())
     return f" ({failed} failed samples not shown)" if failed else ""
 
 
@@ -156,7 +161,10 @@ def cells_kept(table: pd.DataFrame) -> Figure:
     ax.barh(y, np.nan_to_num(after), color=KEPT, label="kept")
     for yi, b, a, status in zip(y, before, after, table["status"], strict=True):
         if status != "finished":
-            ax.text(max(np.nan_to_num(b), 0), yi, f"  {status}", va="center", color=FAILED)
+            ax.text(
+                max(np.nan_to_num(b), 0), yi, f"  {status}", va="center",
+                color=_status_colour(status),
+            )  # fmt: skip
         elif b > 0 and not np.isnan(a):
             ax.text(b, yi, f"  {a:.0f} of {b:.0f} ({a / b:.0%})", va="center")
     ax.set_yticks(y, names)
@@ -237,7 +245,7 @@ def clusters(table: pd.DataFrame) -> Figure:
         ax.scatter(planted, y, marker="|", s=300, color=FAILED, zorder=3, label="planted types")
     for yi, k, a, status in zip(y, n, ari, table["status"], strict=True):
         if status != "finished":
-            ax.text(0, yi, f"  {status}", va="center", color=FAILED)
+            ax.text(0, yi, f"  {status}", va="center", color=_status_colour(status))
         elif not np.isnan(k):
             ax.text(
                 k, yi, f"  {k:.0f}" + (f"  (ARI {a:.2f})" if not np.isnan(a) else ""), va="center"

@@ -3,15 +3,18 @@
 ``status``: up or not (``/health``), the model, its flags, and the headline figures; ``metrics``:
 every figure (``--json``: the figures and the raw series as one JSON object). The rates over time
 (generation tokens per second) are measured since the launcher's last row in the shard's metrics
-file, when there is one. Exit 0 when the server is up, 1 when it is down, 2 when the endpoint file
-is missing or unreadable. ``/health`` and ``/metrics`` need no API key.
+file, when there is one. Exit 0 when the server is up, 1 when it is down or has not answered
+whole within DEADLINE_S, 2 when the endpoint file is missing or unreadable. ``/health`` and
+``/metrics`` need no API key.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,8 @@ SHOWN = (
     ("kv_cache_usage", "KV-cache usage", "{:.1%}"),
     ("preemptions", "preemptions", "{:.0f}"),
 )
+# the whole of the server's answers: each read's own timeout never ends a server that trickles
+DEADLINE_S = 30.0
 HEADLINE = (
     "prefix_cache_hit_rate",
     "spec_acceptance_rate",
@@ -78,6 +83,38 @@ def live(info: dict[str, Any], endpoint: Path) -> tuple[dict[str, Any], dict[str
     return now, shown
 
 
+def ask(info: dict[str, Any], endpoint: Path) -> tuple[str | None, dict, dict]:
+    """(what is wrong or None, series, figures) of the server ``info`` names."""
+    problem = probe(info["url"])
+    if problem is not None:
+        return problem, {}, {}
+    try:
+        return None, *live(info, endpoint)
+    except OSError as exc:
+        return f"/metrics: {exc}", {}, {}
+
+
+def within(seconds: float, fn: Callable[[], Any]) -> Any:
+    """``fn()``, or TimeoutError when it has not returned after ``seconds``; it goes on in a
+    daemon thread, which the command's exit ends."""
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["value"] = fn()
+        except BaseException as exc:  # handed to the caller's thread
+            done["error"] = exc
+
+    thread = threading.Thread(target=run, name="serve-status", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
+
+
 def lines(figures: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
     out = []
     for key, words, form in SHOWN:
@@ -93,12 +130,10 @@ def main(args: argparse.Namespace) -> int:
     except EndpointError as exc:
         say.error(str(exc))
         return 2
-    problem = probe(info["url"])
-    if problem is None:
-        try:
-            series, figures = live(info, args.endpoint)
-        except OSError as exc:
-            problem = f"/metrics: {exc}"
+    try:
+        problem, series, figures = within(DEADLINE_S, lambda: ask(info, args.endpoint))
+    except TimeoutError:
+        problem = f"no whole answer within {DEADLINE_S:.0f} s"
     if problem is not None:
         say.error(f"down: {info['url']} ({problem}); {args.endpoint} names it")
         return 1

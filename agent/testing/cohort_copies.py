@@ -6,6 +6,9 @@ its own world state (new sample name, a few numbers changed so that sorting, dri
 figures have something to show), the metrics and replay; the large files (final AnnData, plots)
 are hard links, so 1,000 copies cost little disk. Every ``failed_every``-th copy is marked
 failed and every ``unreplayed_every``-th has no replay.json, as in a real cohort.
+
+``finished_copy`` makes one sound finished sample of a given final object instead (its record
+passes the integrity check), for the cohort steps that read only such samples.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -79,3 +83,35 @@ def copy_cohort(
             _link(p, dst.plots / p.name)
         out.append(dst.record)
     return out
+
+
+def finished_copy(
+    source: Path, root: Path, name: str, adata: Any, digest: dict[str, Any] | None = None
+) -> Path:
+    """A finished sample folder ``root/name`` whose final object is ``adata`` (an AnnData, or
+    the path of a final object to hard-link, with its ``digest`` when known): the record of the
+    finished sample folder ``source`` under the new name, its finish step's data digest that of
+    the object, every chain and the seal computed anew (unkeyed hashes, as any program can), so
+    that ``check_record`` passes. Returns its world state."""
+    import anndata as ad
+
+    from agent.digest import digest_adata
+    from agent.world_state import Entry, link, seal
+
+    dst = SampleLayout(root / name)
+    dst.root.mkdir(parents=True)
+    if isinstance(adata, Path):
+        _link(adata, dst.final)
+    else:
+        adata.write_h5ad(dst.final)
+    doc = orjson.loads(SampleLayout(source).record.read_bytes())
+    doc["meta"]["sample"] = name
+    finish = next(e for e in reversed(doc["entries"]) if e["tool"] == "finish")
+    finish["digest_after"] = digest or digest_adata(ad.read_h5ad(dst.final))
+    chain = ""
+    for e in doc["entries"]:
+        e.pop("chain")
+        e["chain"] = chain = link(chain, Entry.from_json(e).to_json())
+    doc["meta"]["seal"] = seal(doc["meta"], chain)
+    dst.record.write_bytes(orjson.dumps(doc))
+    return dst.record

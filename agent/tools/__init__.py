@@ -6,17 +6,20 @@ from collections.abc import Callable
 from typing import Any
 
 from agent.registry import ToolRegistry
+from agent.tools.ambient import remove_ambient
 from agent.tools.annotate import annotate_clusters
 from agent.tools.cells import call_cells
 from agent.tools.celltypist_annotate import annotate_celltypist
 from agent.tools.cluster import cluster_sweep, leiden
 from agent.tools.doublets import detect_doublets, remove_doublets
 from agent.tools.embed import neighbors, pca, umap
-from agent.tools.io import finish, load_data, save
+from agent.tools.filters import filter_by_qc, filter_cells, filter_genes
+from agent.tools.finish import finish
+from agent.tools.io import load_data, save
 from agent.tools.markers import rank_genes_groups
 from agent.tools.plots import plot
 from agent.tools.preprocess import highly_variable_genes, normalize, regress_out, scale
-from agent.tools.qc import filter_by_qc, filter_cells, filter_genes, qc_metrics
+from agent.tools.qc import qc_metrics
 from agent.tools.session import Session
 
 TOOLS: list[Callable[..., dict[str, Any]]] = [
@@ -37,6 +40,7 @@ TOOLS: list[Callable[..., dict[str, Any]]] = [
     umap,
     leiden,
     cluster_sweep,
+    remove_ambient,
     rank_genes_groups,
     annotate_clusters,
     annotate_celltypist,

@@ -3,9 +3,9 @@
 CellTypist (Dominguez Conde et al. 2022) is a logistic-regression classifier trained on labelled
 reference cells: it carries labels of the reference's tissue, where the built-in marker sets only
 know immune cells. The model is a file the user gives (``--celltypist-model``); nothing is
-downloaded. It is a pickle, as CellTypist writes them: loading one runs its code, so only files
-the user trusts are given (the tool reads no other model than the run's, or one in the output
-folder).
+downloaded. It is a pickle, as CellTypist writes them, so the tool reads no file but the run's
+model, through an allow-list of a model's classes, and checks its sha256 against the run's
+setting at every use (agent/celltypist_model.py).
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ import scanpy as sc
 from pydantic import Field
 from scipy import sparse
 
-from agent.provenance import file_sha256
+from agent.celltypist_model import ModelRefused, read_model
 from agent.registry import ToolError, tool
 from agent.tools.annotate import UNKNOWN, _natural
 from agent.tools.common import Key, Limit, counts_matrix, left_out, obs_column, sizes
+from agent.tools.doublets import flagged
 from agent.tools.session import Session
 
 UNS_KEY = "annotation_celltypist"
+FLAGGED = "<flagged doublets>"  # the voting group of the doublets a run keeps: no cluster's
 # A model whose genes the data mostly lack predicts from a fraction of its coefficients: refuse.
 MIN_SHARED_FRACTION = 0.5
 CELLTYPIST_TARGET_SUM = 1e4  # CellTypist's models are trained on log1p(counts per 10,000)
@@ -54,28 +56,26 @@ def import_celltypist() -> Any:
     return celltypist
 
 
-def _load_model(path: Path) -> tuple[Any, str]:
-    """The CellTypist model in ``path`` (loaded from that file only: never by name, which could
-    download) and its sha256; a clear ToolError for anything else."""
-    if not path.is_file():
-        raise ToolError(f"annotate_celltypist: model file {path} does not exist")
-    celltypist = import_celltypist()
-    try:
-        model = celltypist.models.Model.load(str(path.resolve()))  # a path with '/': never a name
-    except Exception as e:  # the pickle's own errors, whatever the file holds
+def _load_model(session: Session, model_file: str | None) -> tuple[Any, Path, str]:
+    """The run's CellTypist model (``model_file``, when given, must name it: no other file is
+    unpickled), its path and the sha256 of the bytes read, which must be the run's setting's."""
+    path = session.celltypist_model
+    if path is None:
         raise ToolError(
-            f"annotate_celltypist: {path} is not a CellTypist model (expected a pickle written by "
-            f"celltypist.train or Model.write, with a classifier, scaler and description): {e}"
-        ) from None
-    clf = model.classifier
-    if not (
-        hasattr(clf, "features") and hasattr(clf, "classes_") and hasattr(model.scaler, "scale_")
-    ):
-        raise ToolError(
-            f"annotate_celltypist: {path} holds no CellTypist classifier (its 'Model' has no "
-            "features or classes_, or its 'Scaler_' no scale_)"
+            "annotate_celltypist: this run has no CellTypist model (agent run --celltypist-model); "
+            "no other file is read as one (a model is a pickle, which can run code)"
         )
-    return model, file_sha256(path)
+    if model_file is not None and Path(model_file) not in (path, Path(path.name)):
+        raise ToolError(
+            f"annotate_celltypist: only the run's model ({path.name}) is read, not {model_file} "
+            "(a model is a pickle, which can run code); leave model_file out"
+        )
+    try:
+        doc, sha256 = read_model(path, session.celltypist_model_sha256)
+    except ModelRefused as e:
+        raise ToolError(f"annotate_celltypist: {e}") from None
+    model = import_celltypist().models.Model(doc["Model"], doc["Scaler_"], doc["description"])
+    return model, path, sha256
 
 
 def _celltypist_input(adata: Any) -> ad.AnnData:
@@ -112,7 +112,10 @@ def _model_meta(model: Any, path: Path, sha256: str, shared: int) -> dict[str, A
     }
 
 
-@tool("annotate", needs=("normalize",), expensive=True)
+@tool(
+    "annotate", needs=("normalize",), expensive=True, stage="labels", clustering="groupby",
+    loosens={"min_vote_share": "lower", "min_confidence": "lower"},
+)  # fmt: skip
 def annotate_celltypist(
     session: Session,
     model_file: str | None = None,
@@ -130,11 +133,13 @@ def annotate_celltypist(
     predicted label ('<key_added>_predicted') and confidence, the model's highest probability
     ('<key_added>_confidence'). A cluster whose majority label holds less than min_vote_share of
     its cells is 'Unknown'; it, and one whose mean confidence is below min_confidence, is flagged
-    in '<key_added>_ambiguous'. Refused when the data hold under half the model's genes.
+    in '<key_added>_ambiguous'. Refused when the data hold under half the model's genes. Cells
+    predicted to be doublets and kept (a run that flags them) do not vote; they take their
+    cluster's label.
 
     Args:
-        model_file: CellTypist model (.pkl) inside the output folder; leave out for the run's
-            model (agent run --celltypist-model).
+        model_file: The run's CellTypist model (agent run --celltypist-model), by its file name;
+            leave out for the same. No other file is read.
         groupby: Cell annotation (obs column) with the clusters to vote over.
         key_added: Cell annotation (obs column) to store the voted labels in.
         min_vote_share: A cluster whose majority label has a smaller share of its cells is
@@ -146,13 +151,7 @@ def annotate_celltypist(
     clusters = obs_column(
         adata, groupby, "annotate_celltypist", "call leiden first (or give another groupby)"
     ).astype(str)
-    if model_file is None and session.celltypist_model is None:
-        raise ToolError(
-            "annotate_celltypist: this run has no CellTypist model (agent run --celltypist-model); "
-            "give model_file, a model inside the output folder"
-        )
-    path = session.celltypist_model if model_file is None else session.readable_path(model_file)
-    model, sha256 = _load_model(path)
+    model, path, sha256 = _load_model(session, model_file)
     query = _celltypist_input(adata)
     shared = int(np.isin(query.var_names, model.features).sum())
     meta = _model_meta(model, path, sha256, shared)
@@ -164,24 +163,25 @@ def annotate_celltypist(
             f"{', '.join(query.var_names[:3])}; is it a model of this species and gene naming?"
         )
     celltypist = import_celltypist()
+    doublets = flagged(adata)
+    voters = clusters.where(~doublets, FLAGGED)  # flagged doublets vote apart, unheard
     try:
         predictions = celltypist.annotate(query, model=model, majority_voting=False)
         # CellTypist's own vote, over our clusters (its annotate skips voting under 50 cells)
-        predictions = celltypist.classifier.Classifier.majority_vote(
-            predictions, clusters.to_numpy()
-        )
+        predictions = celltypist.classifier.Classifier.majority_vote(predictions, voters.to_numpy())
     except ValueError as e:  # its checks of the input (e.g. not log1p of counts per 10,000)
         raise ToolError(f"annotate_celltypist: CellTypist refused the data: {e}") from None
     predicted = predictions.predicted_labels["predicted_labels"].astype(str)
     majority = predictions.predicted_labels["majority_voting"].astype(str)
     confidence = predictions.probability_matrix.max(axis=1)
-    votes = pd.crosstab(clusters.to_numpy(), predicted.to_numpy())
-    mean_confidence = confidence.groupby(clusters.to_numpy()).mean()
+    votes = pd.crosstab(voters.to_numpy(), predicted.to_numpy())
+    votes = votes.drop(index=FLAGGED, errors="ignore")
+    mean_confidence = confidence.groupby(voters.to_numpy()).mean()
     markers = adata.uns.get("annotation", {})
     marker_labels = markers.get("cluster_labels", {}) if markers.get("groupby") == groupby else {}
     result: dict[str, dict[str, Any]] = {}
     for cluster in sorted(votes.index, key=_natural):
-        label = majority[clusters == cluster].iloc[0]
+        label = majority[voters == cluster].iloc[0]
         share = float(votes.loc[cluster, label] / votes.loc[cluster].sum())
         conf = float(mean_confidence[cluster])
         result[cluster] = {
@@ -193,6 +193,12 @@ def annotate_celltypist(
             "n_cells": int(votes.loc[cluster].sum()),
             **({"marker_label": str(marker_labels[cluster])} if cluster in marker_labels else {}),
         }
+    for cluster in sorted(set(clusters) - set(result), key=_natural):  # doublets only: no vote
+        result[cluster] = {
+            "label": UNKNOWN, "vote_share": 0.0, "weak": True,
+            "n_cells": int((clusters == cluster).sum()),
+            "reason": "every cell is a flagged doublet: no vote",
+        }  # fmt: skip
     mapping = {cluster: entry["label"] for cluster, entry in result.items()}
     weak = [cluster for cluster, entry in result.items() if entry["weak"]]
     rule = _rule(min_vote_share, min_confidence)
@@ -216,4 +222,5 @@ def annotate_celltypist(
         "rule": rule,
         "mean_confidence": round(float(confidence.mean()), 3),
         "label_sizes": sizes(adata.obs[key_added]),
+        "doublets_excluded": int(doublets.sum()),
     }

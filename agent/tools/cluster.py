@@ -9,6 +9,7 @@ silhouette is flagged as weak structure.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any
 
 import anndata as ad
@@ -19,6 +20,7 @@ from pydantic import Field
 from scipy import sparse, stats
 from sklearn.metrics import silhouette_score
 
+from agent.checks import UNSWEPT_SILHOUETTE, check
 from agent.registry import tool
 from agent.tools.common import Key, all_genes, scanpy_params, sizes
 from agent.tools.session import Session
@@ -231,7 +233,10 @@ def _choose(table: list[dict]) -> tuple[dict, list[str]]:
     return chosen, warnings
 
 
-@tool("cluster", needs=("neighbors",), expensive=True)
+@tool(
+    "cluster", needs=("neighbors",), expensive=True, stage="clusters", resets="markers",
+    clustering="key_added",
+)  # fmt: skip
 def leiden(
     session: Session,
     resolution: Resolution = 1.0,
@@ -252,14 +257,71 @@ def leiden(
         # ranked for the clusters this call replaced: new clusters may reuse their names
         del adata.uns["rank_genes_groups"]
     labels = adata.obs[key_added]
+    silhouette = _silhouette(_pca_used(adata), labels.to_numpy(), session.seed)
+    n_clusters = len(labels.cat.categories)
     return {
         "resolution": resolution,
         "key_added": key_added,
-        "n_clusters": len(labels.cat.categories),
+        "n_clusters": n_clusters,
         "cluster_sizes": sizes(labels),
-        "silhouette": _silhouette(_pca_used(adata), labels.to_numpy(), session.seed),
+        "silhouette": silhouette,
         "scanpy_params": scanpy_params(adata, key_added),
+        "checks": [_unswept(session, resolution, n_clusters, silhouette)],
     }
+
+
+def _unswept(
+    session: Session, resolution: float, n_clusters: int, silhouette: float | None
+) -> dict[str, Any]:
+    """The clustering_unswept check: a resolution chosen without a cluster_sweep of the current
+    neighbour graph on data whose clusters barely separate (silhouette below
+    UNSWEPT_SILHOUETTE, or a single cluster), or outside the range the sweep qualified."""
+    sweep = session.adata.uns.get("cluster_sweep") or {}
+    swept = bool(sweep) and sweep.get("graph") == graph_digest(session.adata)
+    table = sweep.get("table") if swept else None
+    qualified = (
+        sorted(float(r) for r in table.loc[table["qualified"].astype(bool), "resolution"])
+        if table is not None and "qualified" in table
+        else []
+    )
+    evidence = {
+        "resolution": resolution, "n_clusters": n_clusters, "silhouette": silhouette,
+        "swept_this_graph": swept, "sweep_qualified": qualified,
+        "sweep_best_resolution": sweep.get("best_resolution") if swept else None,
+        "limit": UNSWEPT_SILHOUETTE,
+    }  # fmt: skip
+    weak = silhouette is None or silhouette < UNSWEPT_SILHOUETTE
+    shown = "one cluster" if silhouette is None else f"silhouette {silhouette}"
+    if weak and not swept:
+        return check(
+            "clustering_unswept", "warn",
+            f"leiden at resolution {resolution} gives {n_clusters} cluster(s), {shown} (< "
+            f"{UNSWEPT_SILHOUETTE}), chosen without a cluster_sweep of this neighbour graph: "
+            "compare resolutions first",
+            **evidence,
+        )  # fmt: skip
+    if qualified and not qualified[0] <= resolution <= qualified[-1]:
+        return check(
+            "clustering_unswept", "warn",
+            f"resolution {resolution} is outside {qualified[0]}-{qualified[-1]}, where "
+            f"cluster_sweep found every cluster separated and stable (it chose "
+            f"{sweep.get('best_resolution')}); {n_clusters} cluster(s), {shown}",
+            **evidence,
+        )  # fmt: skip
+    said = "after cluster_sweep" if swept else f"silhouette {silhouette} >= {UNSWEPT_SILHOUETTE}"
+    return check("clustering_unswept", "pass", f"resolution {resolution} chosen {said}", **evidence)
+
+
+def graph_digest(adata: Any) -> str | None:
+    """A digest of the neighbour graph, so a sweep is known to be of the graph in use."""
+    graph = adata.obsp.get("connectivities")
+    if graph is None:
+        return None
+    graph = sparse.csr_matrix(graph)
+    h = hashlib.blake2b(digest_size=16)
+    for part in (graph.data, graph.indices, graph.indptr):
+        h.update(np.ascontiguousarray(part).tobytes())
+    return h.hexdigest()
 
 
 @tool("cluster", needs=("neighbors",), expensive=True)
@@ -315,6 +377,7 @@ def cluster_sweep(
         "criterion": CRITERION,
         "best_resolution": chosen["resolution"],
         "seed": session.seed,
+        "graph": graph_digest(adata),
         **({"warnings": warnings} if warnings else {}),
     }
     return {

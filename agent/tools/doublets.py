@@ -11,6 +11,7 @@ from pydantic import Field
 from agent.registry import ToolError, tool
 from agent.tools.common import obs_column, quantiles
 from agent.tools.session import Session
+from agent.tools.spots import are_spots
 
 # Below this Scrublet's kNN has about 5 neighbours and a handful of expected doublets: no call.
 MIN_CELLS = 100
@@ -19,6 +20,16 @@ MIN_CELLS = 100
 # this size, each with its own simulated doublets, which keeps exact kNN and a linear cost; one
 # threshold, from all batches' simulated doublets, calls every cell.
 BATCH_CELLS = 10000
+# 10x Genomics' figure for Chromium 3' chips: about 0.8% of cells are doublets per 1,000 cells
+# recovered; the expected rate where none is given, for the cells at the call (QC may have
+# removed some: a slight underestimate). An automatic call above BOUND_FACTOR times the expected
+# rate is bounded to it. Scrublet detects only part of the doublets (those of two distinct
+# types): in its five validation sets it called 0.36-0.72 of the experimentally expected rate
+# (Wolock, Lopez & Klein 2019, Cell Systems, Table 2), so twice the expected rate is about three
+# times the most it called there. On small samples of one cell type its histogram minimum
+# called 14.5% and 27% where about 6% were expected (issue 37): singlets that look alike.
+RATE_PER_1000_CELLS = 0.008
+BOUND_FACTOR = 2.0
 
 
 def _scrublet_genes(adata: Any) -> int:
@@ -82,48 +93,97 @@ def _automatic_threshold(sim: np.ndarray) -> float | None:
         return None
 
 
+def expected_rate(n_cells: int, given: float | None) -> tuple[float, str]:
+    """The expected doublet rate and where it comes from: ``given``, else 10x's for ``n_cells``."""
+    if given is not None:
+        return given, "given"
+    rate = RATE_PER_1000_CELLS * n_cells / 1000
+    return rate, f"10x: {RATE_PER_1000_CELLS:.1%} per 1,000 cells, {n_cells} cells here"
+
+
+def _bounded(
+    scores: np.ndarray, threshold: float, expected: float, source: str
+) -> tuple[float, dict[str, Any] | None]:
+    """The automatic threshold, raised where it calls more than BOUND_FACTOR times the
+    ``expected`` doublet rate so that only the cells scoring highest up to that bound are
+    called; with the evidence (None: not bounded)."""
+    scored = np.sort(scores[~np.isnan(scores)])[::-1]
+    called = int((scored > threshold).sum())
+    most = int(BOUND_FACTOR * expected * len(scored))
+    if called <= most:
+        return threshold, None
+    bounded = float(scored[most])  # cells scoring above it: at most ``most``
+    bound = {
+        "automatic_threshold": round(threshold, 4), "automatic_called": called,
+        "automatic_rate": round(called / len(scored), 4), "expected_rate": round(expected, 4),
+        "expected_rate_from": source, "max_rate": round(most / len(scored), 4),
+        "threshold": round(bounded, 4), "called": int((scored > bounded).sum()),
+    }  # fmt: skip
+    bound["warning"] = (
+        f"the automatic threshold {threshold:.3f} called {called} of {len(scored)} cells "
+        f"({bound['automatic_rate']:.1%}), more than {BOUND_FACTOR:g} times the expected "
+        f"{expected:.1%} ({source}); bounded to the {bound['called']} highest-scoring cells "
+        f"(threshold {bounded:.3f})"
+    )
+    return bounded, bound
+
+
 def _one(values: list[Any]) -> Any:
     return values[0] if len(set(values)) == 1 else values
 
 
-@tool("doublets", expensive=True)
+def not_applicable(adata: Any) -> str | None:
+    """Why doublets cannot be called in these data (None: they can): too few cells for
+    Scrublet's simulation, or spatial spots, which hold several cells by design."""
+    if adata.n_obs < MIN_CELLS:
+        return (
+            f"doublets not called: Scrublet needs at least {MIN_CELLS} cells, the data have "
+            f"{adata.n_obs}"
+        )
+    if are_spots(adata):
+        return "doublets not called: spatial spots hold several cells by design"
+    return None
+
+
+@tool("doublets", expensive=True, stage="doublets")
 def detect_doublets(
     session: Session,
-    expected_doublet_rate: Annotated[float, Field(gt=0, le=0.5)] = 0.05,
+    expected_doublet_rate: Annotated[float, Field(gt=0, le=0.5)] | None = None,
     threshold: Annotated[float, Field(gt=0, lt=1)] | None = None,
     n_prin_comps: Annotated[int, Field(ge=2, le=100)] = 30,
 ) -> dict[str, Any]:
-    """Score every cell for being a doublet with Scrublet (simulated doublets, kNN in PCA space).
+    """Score every cell for being a doublet with Scrublet and call those above a threshold.
 
-    Runs on raw counts, so call it before normalize; needs at least 100 cells. Samples above
-    10,000 cells are scored in random batches of about 10,000 cells, each with its own simulated
-    doublets; one threshold on the doublet score holds for all cells, found automatically from
-    the simulated doublets' scores of all batches together unless given. Does not remove cells:
-    call remove_doublets for that. The scores, simulated scores and threshold are kept in
-    uns['scrublet'] as scanpy's scrublet keeps them (plot kind 'doublet_scores' draws them).
+    Runs on raw counts, so call it before normalize. Under 100 cells or on spatial spots it
+    calls none and says why (skipped). Automatic calls above 2x the expected rate are capped;
+    the result says bounded. Writes obs['doublet_score'], obs['predicted_doublet'] and
+    uns['scrublet']; remove_doublets removes the calls.
 
     Args:
-        expected_doublet_rate: Expected fraction of doublets (10x: about 0.008 per 1,000 cells
-            loaded).
-        threshold: Doublet score above which a cell is called a doublet; leave out to set it
-            automatically from the bimodal score distribution.
-        n_prin_comps: Principal components Scrublet uses (fewer where the cells or Scrublet's
-            variable genes are too few for them).
+        expected_doublet_rate: Expected fraction of doublets; leave out for 10x's 0.8% per
+            1,000 cells.
+        threshold: Doublet score above which a cell is called; leave out to set it
+            automatically.
+        n_prin_comps: Principal components Scrublet uses.
     """
+    # Samples above BATCH_CELLS are scored in random batches, each with its own simulated
+    # doublets; one threshold, from the simulated scores of all batches, calls every cell.
+    # uns['scrublet'] keeps scanpy's layout (plot kind 'doublet_scores' draws it) and, for a
+    # bounded call, the automatic one ('bound'). While doublets stay (a run that flags them),
+    # markers and labels leave them out.
     if "normalize" in session.done:
         raise ToolError("detect_doublets needs raw counts: call it before normalize")
     adata = session.adata
-    if adata.n_obs < MIN_CELLS:
-        raise ToolError(
-            f"detect_doublets needs at least {MIN_CELLS} cells to call doublets, the data have "
-            f"{adata.n_obs}: skip doublet detection for this sample"
-        )
+    skipped = not_applicable(adata)
+    if skipped:  # the doublet stage is reached: the tool itself says why none are called
+        return {"n_cells": adata.n_obs, "skipped": skipped, "n_predicted_doublets": 0}
     seed = session.seed
+    rate, rate_from = expected_rate(adata.n_obs, expected_doublet_rate)
     batches = _batches(adata.n_obs, seed)
     scores = np.full(adata.n_obs, np.nan)
     runs = []
     for cells in batches:
-        run = _score_batch(adata[cells].copy(), expected_doublet_rate, n_prin_comps, seed)
+        run = _score_batch(adata[cells].copy(), rate, n_prin_comps, seed)
         scores[cells] = run["scores"]
         run["parents"] = cells[run["parents"]]
         runs.append(run)
@@ -136,10 +196,14 @@ def detect_doublets(
                 "Scrublet could not find a threshold automatically (the simulated doublet scores "
                 "are not bimodal); call detect_doublets again with threshold=... (e.g. 0.25)"
             )
+    bound = None
+    if automatic:
+        threshold, bound = _bounded(scores, threshold, rate, rate_from)
     called = scores > threshold  # cells Scrublet could not score (NaN) are not called
     detectable = float((sim > threshold).mean())  # Scrublet's detectable doublet fraction
     parameters = {
-        "expected_doublet_rate": expected_doublet_rate,
+        "expected_doublet_rate": round(rate, 4),
+        "expected_rate_from": rate_from,
         "sim_doublet_ratio": 2.0,  # scanpy's default, which the calls above use
         "n_neighbors": _one([run["n_neighbors"] for run in runs]),
         "random_state": seed,
@@ -158,6 +222,8 @@ def detect_doublets(
         "parameters": parameters,
         "threshold": threshold,
     }
+    if bound is not None:  # the automatic call and the expected rate beside the bounded one
+        adata.uns["scrublet"]["bound"] = bound
     result = {
         "n_cells": adata.n_obs,
         "n_predicted_doublets": int(called.sum()),
@@ -170,7 +236,11 @@ def detect_doublets(
         else None,
         **parameters,
         "doublet_score": quantiles(scores[~np.isnan(scores)], 3),
+        "bounded": bound is not None,
     }
+    if bound is not None:
+        result["bound"] = {k: v for k, v in bound.items() if k != "warning"}
+        result["warnings"] = [bound["warning"]]
     if len(batches) > 1 and automatic:
         # what each batch alone would have chosen: the spread the pooled threshold replaces
         result["batch_thresholds"] = [
@@ -180,10 +250,29 @@ def detect_doublets(
     return result
 
 
-@tool("doublets", needs=("detect_doublets",))
+def flagged(adata: Any) -> np.ndarray:
+    """Which cells are predicted doublets still in the data (a run that flags doublets keeps
+    them): markers and labels' evidence leave them out. None before detect_doublets, and none
+    after remove_doublets."""
+    if "predicted_doublet" not in adata.obs:
+        return np.zeros(adata.n_obs, bool)
+    return adata.obs["predicted_doublet"].fillna(False).astype(bool).to_numpy()
+
+
+@tool("doublets", needs=("detect_doublets",), resets="hvg")
 def remove_doublets(session: Session) -> dict[str, Any]:
-    """Remove the cells detect_doublets predicted to be doublets."""
+    """Remove the cells detect_doublets called doublets."""
+    if session.doublets == "flag":
+        raise ToolError(
+            "remove_doublets: this run flags doublets (its doublets setting is 'flag'): the "
+            "predicted doublets stay, marked in obs['predicted_doublet'], and markers and labels "
+            "leave them out; go on without removing them"
+        )
     adata = session.adata
+    if "predicted_doublet" not in adata.obs and (skipped := not_applicable(adata)):
+        # detect_doublets succeeded without calling any: nothing to remove, and why
+        return {"cells_before": adata.n_obs, "cells_after": adata.n_obs, "removed": 0,
+                "skipped": skipped}  # fmt: skip
     predicted = obs_column(
         adata, "predicted_doublet", "remove_doublets", "call detect_doublets first"
     )

@@ -59,7 +59,7 @@ def _pca_of_scaled_copy(adata: Any, genes: np.ndarray, n_comps: int, seed: int) 
     return clipped
 
 
-@tool("embed", needs=("normalize",), expensive=True)
+@tool("embed", needs=("normalize",), expensive=True, stage="pca", resets="neighbours")
 def pca(
     session: Session,
     n_comps: Annotated[int, Field(ge=2, le=200)] = 50,
@@ -111,7 +111,7 @@ def pca(
     }
 
 
-@tool("embed", needs=("pca",), expensive=True)
+@tool("embed", needs=("pca",), expensive=True, stage="neighbours", resets="clusters")
 def neighbors(
     session: Session,
     n_neighbors: Annotated[int, Field(ge=2, le=200)] = 15,

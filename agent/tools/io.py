@@ -5,24 +5,25 @@ from __future__ import annotations
 import re
 import stat
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import anndata as ad
 import numpy as np
 import pandas as pd
 import scanpy as sc
-from pydantic import Field
 from scipy import io as spio
 from scipy import sparse
 
 from agent.durable import atomic_write_h5ad
+from agent.layout import PREVIOUS
 from agent.provenance import MTX_FILES, mtx_files
 from agent.registry import ToolError, tool
-from agent.tools.common import per_row, sizes
+from agent.tools.common import per_row
 from agent.tools.input_size import check_fits
 from agent.tools.qc import gene_masks
 from agent.tools.session import Session
 from agent.tools.species import detect_species, symbol_rules
+from agent.tools.spots import MODALITY, spot_evidence
 
 # Usual names of a column of gene symbols, matched in any case (AnnData from Seurat, Bioconductor,
 # CELLxGENE, Cell Ranger).
@@ -47,7 +48,9 @@ COUNT_TOLERANCE = 1e-6
 MIN_CELLS = 30
 
 
-def _read(path: Path) -> tuple[ad.AnnData, str]:
+def read_matrix(path: Path) -> tuple[ad.AnnData, str]:
+    """A 10x mtx folder, 10x .h5 or .h5ad as it is stored, and its format (remove_ambient reads
+    an unfiltered matrix so too)."""
     names = [n for options in MTX_FILES.values() for n in options]
     for file in [path, *(path / n for n in names)] if path.is_dir() else [path]:
         if kind := _special_kind(file):  # opening a FIFO blocks, a device never ends
@@ -356,7 +359,8 @@ def load_data(
     Checks that the matrix holds raw integer counts (floats within 1e-6 of integers are rounded)
     of at least 30 cells, and reports shape, sparsity, where the gene symbols come from, and
     how many mitochondrial, ribosomal and haemoglobin genes there are. Genes that share a name
-    are merged into one (counts summed). Spatial spots (Visium coordinates) are named as such.
+    are merged into one (counts summed). Spatial spots are named as such, with the evidence
+    (coordinates, Space Ranger's .h5 or spot list beside the matrix) in uns['modality'].
     Loading replaces any data loaded before, and every step starts again.
     An error that a parameter can fix says so as load_data(NAME=VALUE).
 
@@ -368,13 +372,13 @@ def load_data(
     """
     source = session.readable_path(path)
     try:
-        adata, fmt = _read(source)
+        adata, fmt = read_matrix(source)
     except ToolError:
         raise
     except Exception as e:  # a corrupt or foreign file: say which and why
         raise _unreadable(source, e) from None
     original_dtype = str(adata.X.dtype) if adata.X is not None else "none"
-    spatial = "spatial" in adata.obsm or "spatial" in adata.uns
+    spots = spot_evidence(adata, source)  # by content and layout (agent/tools/spots.py)
     adata = _select_counts(adata, source, layer)
     _check_cells(adata, source)
     _check_counts(adata, source, layer)
@@ -392,6 +396,8 @@ def load_data(
     if n_duplicated:
         adata = _merge_duplicate_genes(adata)
     adata.X = sparse.csr_matrix(adata.X, dtype=np.float32)
+    if spots:  # kept with the data, for the steps that must not treat spots as cells
+        adata.uns["modality"] = {"modality": MODALITY, "evidence": spots}
     session.replace_data(adata)
 
     rules = symbol_rules(detect_species(adata.var_names)["species"])  # mouse globins: Hba-a1
@@ -414,7 +420,8 @@ def load_data(
         "median_genes_per_cell": float(np.median(genes)),
         "gene_symbols_from": symbols_from,
         "duplicate_genes_merged": n_duplicated,
-        "modality": "spatial spots" if spatial else "single cells or nuclei",
+        "modality": MODALITY if spots else "single cells or nuclei",
+        **({"modality_evidence": spots} if spots else {}),
         "n_mt_genes": int(masks["mt"].sum()),
         "n_ribo_genes": int(masks["ribo"].sum()),
         "n_hb_genes": int(masks["hb"].sum()),
@@ -436,8 +443,9 @@ def _shown(session: Session, source: Path) -> str:
 
 
 @tool("io", mutates=False)
-def save(session: Session, path: str = "adata.h5ad") -> dict[str, Any]:
-    """Write the current AnnData to an .h5ad file inside the sample's output folder.
+def save(session: Session, path: str = "snapshot.h5ad") -> dict[str, Any]:
+    """Write the current AnnData to an .h5ad file inside the sample's output folder (not the
+    final object, which only finish writes).
 
     Args:
         path: File name (or relative path) inside the output folder; must end in .h5ad.
@@ -445,6 +453,13 @@ def save(session: Session, path: str = "adata.h5ad") -> dict[str, Any]:
     if not path.endswith(".h5ad"):
         raise ToolError(f"save path {path!r} must end in .h5ad")
     target = session.path_inside(path)
+    layout = session.layout
+    reserved = (layout.checkpoints, layout.root / PREVIOUS, layout.plots)
+    if target == layout.final or any(target.is_relative_to(r) for r in reserved):
+        raise ToolError(
+            f"save path {path!r} is the run's own: {layout.final.name} is written by finish, and "
+            f"{', '.join(r.name + '/' for r in reserved)} hold checkpoints and earlier analyses"
+        )
     adata = session.adata
     atomic_write_h5ad(adata, target)
     return {
@@ -453,32 +468,3 @@ def save(session: Session, path: str = "adata.h5ad") -> dict[str, Any]:
         "n_genes": adata.n_vars,
         "bytes": target.stat().st_size,
     }
-
-
-@tool("finish", mutates=False)
-def finish(
-    session: Session,
-    conclusion: Annotated[str, Field(max_length=4000)] = "",
-) -> dict[str, Any]:
-    """Finish the analysis: write the final adata.h5ad and return a short summary.
-
-    Call this last; the run ends when it succeeds.
-
-    Args:
-        conclusion: A few sentences on what the analysis found, for the record.
-    """
-    adata = session.adata
-    target = session.layout.final
-    atomic_write_h5ad(adata, target)
-    summary: dict[str, Any] = {
-        "path": str(target.relative_to(session.outdir)),
-        "n_cells": adata.n_obs,
-        "n_genes": adata.n_vars,
-        "steps_done": sorted(session.done),
-        "conclusion": conclusion,
-    }
-    for key in ("leiden", "cell_type"):
-        if key in adata.obs.columns:
-            summary[f"{key}_sizes"] = sizes(adata.obs[key])
-    summary["n_clusters"] = len(summary["leiden_sizes"]) if "leiden_sizes" in summary else 0
-    return summary

@@ -4,15 +4,43 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import anndata as ad
+import pandas as pd
 import scanpy as sc
 from pydantic import Field
 
 from agent.registry import ToolError, tool
 from agent.tools.common import Key, Limit, left_out, obs_column, scanpy_params
+from agent.tools.doublets import flagged
 from agent.tools.session import Session
 
 
-@tool("markers", needs=("normalize",), expensive=True)
+def rank_singlets(
+    adata: Any, groupby: str, key_added: str = "rank_genes_groups", **kwargs: Any
+) -> int:
+    """scanpy's rank_genes_groups over the cells not flagged as doublets (all cells where none
+    is), its result in ``adata.uns[key_added]``; how many cells were left out. Flagged cells
+    are ranked apart (a lean copy of the log-normalised values): a doublet cluster's genes must
+    not become another cluster's markers."""
+    doublets = flagged(adata)
+    use_raw = adata.raw is not None
+    if not doublets.any():
+        sc.tl.rank_genes_groups(adata, groupby, use_raw=use_raw, key_added=key_added, **kwargs)
+        return 0
+    source = adata.raw if use_raw else adata
+    keep = ~doublets
+    groups = adata.obs[groupby][keep]
+    lean = ad.AnnData(
+        source.X[keep], obs=pd.DataFrame({groupby: groups.cat.remove_unused_categories()}),
+        var=pd.DataFrame(index=source.var_names), uns={"log1p": adata.uns.get("log1p", {})},
+    )  # fmt: skip
+    sc.tl.rank_genes_groups(lean, groupby, use_raw=False, key_added=key_added, **kwargs)
+    adata.uns[key_added] = lean.uns[key_added]
+    adata.uns[key_added]["params"]["use_raw"] = use_raw  # the values ranked, as without doublets
+    return int(doublets.sum())
+
+
+@tool("markers", needs=("normalize",), expensive=True, stage="markers", clustering="groupby")
 def rank_genes_groups(
     session: Session,
     groupby: Key = "leiden",
@@ -23,7 +51,9 @@ def rank_genes_groups(
     """Rank marker genes of each group (cluster) against the rest and list the top ones.
 
     Uses the log-normalised values of all genes: X, or .raw where highly_variable_genes subset X.
-    Each marker comes with its log2 fold change and Benjamini-Hochberg adjusted p-value.
+    Each marker comes with its log2 fold change and Benjamini-Hochberg adjusted p-value. Cells
+    predicted to be doublets and kept (obs['predicted_doublet'], a run that flags them) are left
+    out of the ranking.
 
     Args:
         groupby: Cell annotation (obs column) with the groups, usually the Leiden clusters.
@@ -35,7 +65,10 @@ def rank_genes_groups(
     groups = obs_column(
         adata, groupby, "rank_genes_groups", "call leiden first (or give another groupby)"
     )
-    counts = groups.astype("category").value_counts()
+    doublets = flagged(adata)
+    counts = groups[~doublets].astype("category").value_counts()
+    if doublets.any():  # a cluster of flagged doublets only has no markers
+        counts = counts[counts > 0]
     if len(counts) < 2:
         raise ToolError(
             f"rank_genes_groups: {groupby!r} has {len(counts)} group; it needs at least 2"
@@ -47,8 +80,8 @@ def rank_genes_groups(
         adata.obs[groupby] = groups.astype(str).astype("category")
     use_raw = adata.raw is not None
     kwargs = {"random_state": session.seed} if method == "logreg" else {}
-    sc.tl.rank_genes_groups(adata, groupby, method=method, use_raw=use_raw, **kwargs)
-    names = list(adata.obs[groupby].cat.categories)
+    excluded = rank_singlets(adata, groupby, method=method, **kwargs)
+    names = list(adata.uns["rank_genes_groups"]["names"].dtype.names)
     top: dict[str, list[dict[str, Any]]] = {}
     for group in names[:limit]:
         df = sc.get.rank_genes_groups_df(adata, group=group).head(n_genes)
@@ -66,6 +99,7 @@ def rank_genes_groups(
         "method": method,
         "use_raw": use_raw,
         "n_groups": len(names),
+        "doublets_excluded": excluded,
         "top_markers": top,
         "left_out": left_out(len(names), limit, "groups"),
         "scanpy_params": scanpy_params(adata, "rank_genes_groups"),

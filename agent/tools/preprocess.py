@@ -23,7 +23,7 @@ DENSE_LIMIT_BYTES = 4 * 2**30  # regress_out and pca's scaled copy are dense; re
 SCALE_KEY = "scale"  # adata.uns: how pca scales the genes it uses, as scale set it
 
 
-@tool("preprocess")
+@tool("preprocess", stage="normalised", resets="hvg")
 def normalize(
     session: Session,
     target_sum: Annotated[float, Field(gt=0)] | None = None,
@@ -56,7 +56,7 @@ def normalize(
     }
 
 
-@tool("preprocess", needs=("normalize",))
+@tool("preprocess", needs=("normalize",), stage="hvg", resets="pca")
 def highly_variable_genes(
     session: Session,
     flavor: Literal["seurat_v3", "seurat", "cell_ranger"] = "seurat_v3",
@@ -132,7 +132,7 @@ def _check_dense_size(tool: str, n_cells: int, n_genes: int) -> None:
         )
 
 
-@tool("preprocess", needs=("normalize",), expensive=True)
+@tool("preprocess", needs=("normalize",), expensive=True, resets="pca")
 def regress_out(
     session: Session,
     keys: Annotated[tuple[str, ...], Field(min_length=1, max_length=5)] = (
@@ -196,7 +196,7 @@ def scaled_copy(tool: str, adata: Any, genes: np.ndarray) -> tuple[Any, int]:
     return x, clipped
 
 
-@tool("preprocess", needs=("normalize",))
+@tool("preprocess", needs=("normalize",), resets="pca")
 def scale(
     session: Session,
     max_value: Annotated[float, Field(gt=0)] | None = 10.0,

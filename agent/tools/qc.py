@@ -1,4 +1,5 @@
-"""Quality control: per-cell metrics with data-driven threshold suggestions, and the filters."""
+"""Quality control: per-cell metrics with data-driven threshold suggestions (the filters that
+apply them are in agent/tools/filters.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pydantic import Field
 from scipy.stats import median_abs_deviation
 
 from agent.registry import ToolError, tool
-from agent.tools.common import Count, counts_matrix, obs_column, quantiles
+from agent.tools.common import quantiles
 from agent.tools.session import Session
 from agent.tools.species import HUMAN, RULES, detect_species, symbol_rules
 
@@ -115,7 +116,7 @@ def _suggest(
     return suggested, spread, floors
 
 
-@tool("qc")
+@tool("qc", stage="qc")
 def qc_metrics(
     session: Session,
     mt_prefix: str | None = None,
@@ -165,7 +166,7 @@ def qc_metrics(
         f"(MAD at least {MIN_PCT_MT_MAD})"
     )
     not_applied = (
-        {} if has_mt else {"max_pct_mt": _no_mt(f"prefix {chosen['patterns']['mt_prefix']!r}")}
+        {} if has_mt else {"max_pct_mt": no_mt(f"prefix {chosen['patterns']['mt_prefix']!r}")}
     )
     adata.uns["qc_thresholds"] = {
         "suggested": dict(suggested),
@@ -202,186 +203,8 @@ def qc_metrics(
     }
 
 
-def _no_mt(found_by: str) -> str:
+def no_mt(found_by: str) -> str:
     return (
         f"no mitochondrial genes ({found_by}): percent mitochondrial is 0 in every cell, so no "
         "max_pct_mt filter was applied"
     )
-
-
-def _check_range(tool: str, low: float | None, high: float | None, what: str) -> None:
-    if low is not None and high is not None and low > high:
-        raise ToolError(f"{tool}: min_{what}={low} is above max_{what}={high}")
-
-
-def _apply_cell_mask(
-    session: Session, tool: str, keep: np.ndarray, removed_by: dict[str, int]
-) -> dict[str, Any]:
-    adata = session.adata
-    if not keep.any():
-        raise ToolError(
-            f"{tool}: these thresholds would remove all {adata.n_obs} cells "
-            f"(removed by each: {removed_by}); nothing was changed"
-        )
-    before = adata.n_obs
-    session.adata = adata[keep].copy()
-    return {
-        "cells_before": before,
-        "cells_after": int(keep.sum()),
-        "removed": before - int(keep.sum()),
-        "removed_by": removed_by,
-    }
-
-
-@tool("cell_filter")
-def filter_cells(
-    session: Session,
-    min_genes: Count | None = None,
-    max_genes: Count | None = None,
-    min_counts: Count | None = None,
-    max_counts: Count | None = None,
-) -> dict[str, Any]:
-    """Remove cells (barcodes) with too few or too many detected genes or counts.
-
-    Uses scanpy's filter_cells on the raw counts; give at least one threshold. Typical first
-    step: min_genes=200 removes empty droplets.
-
-    Args:
-        min_genes: Keep cells with at least this many detected genes.
-        max_genes: Keep cells with at most this many detected genes.
-        min_counts: Keep cells with at least this many counts.
-        max_counts: Keep cells with at most this many counts.
-    """
-    given = {
-        "min_genes": min_genes,
-        "max_genes": max_genes,
-        "min_counts": min_counts,
-        "max_counts": max_counts,
-    }
-    given = {k: v for k, v in given.items() if v is not None}
-    if not given:
-        raise ToolError(
-            "filter_cells: give at least one of min_genes, max_genes, min_counts, max_counts"
-        )
-    _check_range("filter_cells", min_genes, max_genes, "genes")
-    _check_range("filter_cells", min_counts, max_counts, "counts")
-    adata = session.adata
-    counts = sc.AnnData(counts_matrix(adata))  # scanpy's filter logic on the raw counts
-    keep = np.ones(adata.n_obs, bool)
-    removed_by = {}
-    for name, value in given.items():
-        mask, _ = sc.pp.filter_cells(counts, **{name: value}, inplace=False)
-        removed_by[name] = int((~mask).sum())
-        keep &= mask
-    result = _apply_cell_mask(session, "filter_cells", keep, removed_by) | {"thresholds": given}
-    session.adata.uns["filter_cells"] = _settings(result)
-    return result
-
-
-@tool("gene_filter")
-def filter_genes(
-    session: Session,
-    min_cells: Count | None = 3,
-    max_cells: Count | None = None,
-    min_counts: Count | None = None,
-) -> dict[str, Any]:
-    """Remove genes detected in too few (or too many) cells, or with too few counts.
-
-    Args:
-        min_cells: Keep genes detected in at least this many cells.
-        max_cells: Keep genes detected in at most this many cells.
-        min_counts: Keep genes with at least this many counts in total.
-    """
-    given = {"min_cells": min_cells, "max_cells": max_cells, "min_counts": min_counts}
-    given = {k: v for k, v in given.items() if v is not None}
-    if not given:
-        raise ToolError("filter_genes: give at least one of min_cells, max_cells, min_counts")
-    _check_range("filter_genes", min_cells, max_cells, "cells")
-    adata = session.adata
-    counts = sc.AnnData(counts_matrix(adata))
-    keep = np.ones(adata.n_vars, bool)
-    removed_by = {}
-    for name, value in given.items():
-        mask, _ = sc.pp.filter_genes(counts, **{name: value}, inplace=False)
-        removed_by[name] = int((~mask).sum())
-        keep &= mask
-    if not keep.any():
-        raise ToolError(
-            f"filter_genes: these thresholds would remove all {adata.n_vars} genes (removed by each: {removed_by}); nothing was changed"
-        )
-    before = adata.n_vars
-    session.adata = adata[:, keep].copy()
-    result = {
-        "genes_before": before,
-        "genes_after": int(keep.sum()),
-        "removed": before - int(keep.sum()),
-        "removed_by": removed_by,
-        "thresholds": given,
-    }
-    session.adata.uns["filter_genes"] = _settings(result)
-    return result
-
-
-def _settings(result: dict[str, Any]) -> dict[str, Any]:
-    """A filter's record in uns (as scanpy keeps a step's parameters): its thresholds beside the
-    counts before and after and what each threshold removed."""
-    return {**result["thresholds"], **{k: v for k, v in result.items() if k != "thresholds"}}
-
-
-@tool("cell_filter", needs=("qc_metrics",))
-def filter_by_qc(
-    session: Session,
-    min_genes: Count | None = None,
-    max_genes: Count | None = None,
-    min_counts: Count | None = None,
-    max_counts: Count | None = None,
-    max_pct_mt: Percent | None = None,
-) -> dict[str, Any]:
-    """Remove low-quality cells by the QC metrics: genes, counts and percent mitochondrial.
-
-    Needs qc_metrics first; its suggested_thresholds are a data-driven starting point.
-
-    Args:
-        min_genes: Keep cells with at least this many detected genes.
-        max_genes: Keep cells with at most this many detected genes (high: likely doublets).
-        min_counts: Keep cells with at least this many counts.
-        max_counts: Keep cells with at most this many counts.
-        max_pct_mt: Keep cells with at most this percent of counts from mitochondrial genes
-            (high: damaged cells).
-    """
-    given = {"min_genes": min_genes, "max_genes": max_genes, "min_counts": min_counts,
-             "max_counts": max_counts, "max_pct_mt": max_pct_mt}  # fmt: skip
-    given = {k: v for k, v in given.items() if v is not None}
-    if not given:
-        raise ToolError("filter_by_qc: give at least one threshold")
-    _check_range("filter_by_qc", min_genes, max_genes, "genes")
-    _check_range("filter_by_qc", min_counts, max_counts, "counts")
-    adata = session.adata
-    not_applied = {}
-    if "max_pct_mt" in given and "mt" in adata.var and not adata.var["mt"].any():
-        given.pop("max_pct_mt")  # a cut-off on a percent that is 0 everywhere cannot act
-        not_applied["max_pct_mt"] = _no_mt("var['mt'] of qc_metrics")
-        if not given:
-            raise ToolError(f"filter_by_qc: {not_applied['max_pct_mt']}; give genes or counts")
-    hint = "call qc_metrics first"
-    genes = obs_column(adata, "n_genes_by_counts", "filter_by_qc", hint).to_numpy()
-    counts = obs_column(adata, "total_counts", "filter_by_qc", hint).to_numpy()
-    mt = obs_column(adata, "pct_counts_mt", "filter_by_qc", hint).to_numpy()
-    tests = {
-        "min_genes": lambda v: genes >= v, "max_genes": lambda v: genes <= v,
-        "min_counts": lambda v: counts >= v, "max_counts": lambda v: counts <= v,
-        "max_pct_mt": lambda v: mt <= v,
-    }  # fmt: skip
-    keep = np.ones(adata.n_obs, bool)
-    removed_by = {}
-    for name, value in given.items():
-        mask = tests[name](value)
-        removed_by[name] = int((~mask).sum())
-        keep &= mask
-    result = _apply_cell_mask(session, "filter_by_qc", keep, removed_by)
-    # the QC plots drawn after this show the thresholds applied, not those suggested
-    stored = session.adata.uns.setdefault("qc_thresholds", {})
-    stored["applied"] = dict(given)
-    if not_applied:
-        stored["not_applied"] = dict(not_applied)
-    return result | {"thresholds": given, "not_applied": not_applied}

@@ -2,71 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import anndata as ad
-import numpy as np
-import pandas as pd
-from scipy import sparse
 
+from agent.digest import digest_adata
 from agent.durable import atomic_write_h5ad, atomic_write_json
 from agent.layout import SampleLayout
-from agent.registry import ToolError, ToolSpec
-
-# What digest_adata hashes, and how. Bump it when that changes: records carry the version, so a
-# replay can tell a changed digest from changed data.
-DIGEST_VERSION = 1
-
-
-def digest_adata(adata: Any) -> str:
-    """A content digest of an AnnData's data: matrix, names, annotations, embeddings, graphs, raw.
-
-    ``uns`` is left out: it holds parameters and summaries (reported in tool results anyway) whose
-    Python types change on an .h5ad round trip, and a checkpoint must restore the same digest.
-    """
-    h = hashlib.blake2b(digest_size=16)
-
-    def add_array(a: Any) -> None:
-        if sparse.issparse(a):
-            a = a.tocsr()
-            for part in (a.data, a.indices, a.indptr):
-                h.update(np.ascontiguousarray(part).tobytes())
-            h.update(str(a.shape).encode())
-            return
-        a = np.asarray(a)
-        h.update(str((a.shape, a.dtype.str)).encode())
-        if a.dtype.hasobject:  # object or record arrays of strings: bytes of pointers mean nothing
-            h.update(repr(a.tolist()).encode())
-        else:
-            h.update(np.ascontiguousarray(a).tobytes())
-
-    def add_frame(frame: pd.DataFrame) -> None:
-        h.update(
-            pd.util.hash_pandas_object(frame.index.to_series(), index=False).to_numpy().tobytes()
-        )
-        for col in frame.columns:
-            h.update(str(col).encode())
-            values = frame[col]
-            if values.dtype == object:  # mixed Python objects: their text is what is stable
-                values = values.astype(str)
-            h.update(pd.util.hash_pandas_object(values, index=False).to_numpy().tobytes())
-
-    add_array(adata.X)
-    add_frame(adata.obs)
-    add_frame(adata.var)
-    for store in (adata.obsm, adata.varm, adata.obsp, adata.layers):
-        for key in sorted(store.keys()):
-            h.update(key.encode())
-            add_array(store[key])
-    if adata.raw is not None:
-        h.update(b"raw")
-        add_array(adata.raw.X)
-        add_frame(adata.raw.var)
-    return h.hexdigest()
+from agent.registry import STAGE_COLUMNS, STAGES, ToolError, ToolSpec
 
 
 class Session:
@@ -87,6 +33,9 @@ class Session:
         checkpoint_every: int = 4,
         keep_checkpoints: int = 2,
         celltypist_model: str | Path | None = None,
+        celltypist_model_sha256: str | None = None,
+        doublets: str = "remove",
+        raw_input: str | Path | None = None,
     ):
         self.outdir = Path(outdir).resolve()
         self.outdir.mkdir(parents=True, exist_ok=True)
@@ -95,10 +44,17 @@ class Session:
         self.input_path = Path(input_path).resolve() if input_path else None
         # the run's CellTypist model (--celltypist-model): readable like the input, wherever it is
         self.celltypist_model = Path(celltypist_model).resolve() if celltypist_model else None
+        self.celltypist_model_sha256 = celltypist_model_sha256  # the run's; None: not checked
+        self.doublets = doublets  # the run's setting: "remove", or "flag" (cells kept)
+        # the unfiltered droplets beside a filtered input (--raw-input), whose soup remove_ambient reads
+        self.raw_input = Path(raw_input).resolve() if raw_input else None
         self.checkpoint_every = checkpoint_every
         self.keep_checkpoints = keep_checkpoints
         self._adata: Any = None
         self.done: set[str] = set()  # names of tools that have succeeded, for prerequisites
+        # stage -> how the current data reached it ({"tool", "clustering"}), for finish
+        self.stages: dict[str, dict[str, Any]] = {}
+        self.stale: dict[str, str] = {}  # stage -> the tool whose success made it stale
         self._checkpoint_step = 0
 
     @property
@@ -164,6 +120,44 @@ class Session:
         """New data from a file: everything done before applied to other data."""
         self._adata = adata
         self.done.clear()
+        self.stages, self.stale = {}, {}
+
+    def reached(self, tool: str, spec: ToolSpec, params: dict[str, Any]) -> None:
+        """A tool succeeded: the stages it makes stale (``spec.resets`` and every later one) are
+        gone, and the stage it reaches is reached, for the clustering it names."""
+        if spec.resets:
+            for stage in STAGES[STAGES.index(spec.resets) :]:
+                if self.stages.pop(stage, None) is not None:
+                    self.stale[stage] = tool
+        if spec.stage:
+            clustering = params.get(spec.clustering) if spec.clustering else None
+            column = params.get("key_added")  # the obs column it wrote, where it names one
+            self.stages[spec.stage] = {"tool": tool, "clustering": clustering, "column": column}
+            self.stale.pop(spec.stage, None)
+
+    def missing_stages(self) -> dict[str, str]:
+        """The stages of a complete analysis the current data have not reached, each with why:
+        never reached, made stale by a later tool, or reached for another clustering than the
+        current one."""
+        current = self.stages.get("clusters", {}).get("clustering")
+        missing = {}
+        for stage in STAGES:
+            got = self.stages.get(stage)
+            if got is None:
+                missing[stage] = (
+                    f"stale after {self.stale[stage]}" if stage in self.stale else "not done"
+                )
+            elif stage != "clusters" and got["clustering"] not in (None, current):
+                missing[stage] = (
+                    f"{got['tool']} ran on {got['clustering']!r}, not the current clustering "
+                    f"{current!r}"
+                )
+            elif stage in STAGE_COLUMNS and got.get("column") not in (None, STAGE_COLUMNS[stage]):
+                missing[stage] = (
+                    f"{got['tool']} wrote {got['column']!r}; the object's readers take "
+                    f"{STAGE_COLUMNS[stage]!r}"
+                )
+        return missing
 
     def after_step(self, step: int, tool: str, spec: ToolSpec) -> str | None:
         """Record a successful tool; write a checkpoint of the data when one is due.
@@ -180,7 +174,10 @@ class Session:
         path = self.layout.checkpoint(step)
         atomic_write_h5ad(self._adata, path)
         # the sidecar is written last: a checkpoint without one is incomplete and never restored
-        sidecar = {"step": step, "tool": tool, "done": sorted(self.done), "seed": self.seed}
+        sidecar = {
+            "step": step, "tool": tool, "done": sorted(self.done), "seed": self.seed,
+            "stages": self.stages, "stale": self.stale,
+        }  # fmt: skip
         atomic_write_json(path.with_suffix(".json"), sidecar)
         self._checkpoint_step = step
         for old, _ in self._checkpoints()[: -self.keep_checkpoints]:
@@ -218,5 +215,7 @@ class Session:
                 rejected.append(f"{path.name}: data differ from the record of step {found}")
                 continue
             self._adata, self.done, self._checkpoint_step = adata, set(meta["done"]), found
+            # a checkpoint written before stages were kept: None, and catch_up derives them
+            self.stages, self.stale = meta.get("stages"), meta.get("stale", {})
             return found, rejected
         return None, rejected

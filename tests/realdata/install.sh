@@ -1,10 +1,23 @@
 #!/usr/bin/env bash
-# Fetch the real count matrices that Debian packages ship, for tests/test_real_data.py.
+# Fetch the real count matrices that Debian packages ship, for tests/test_real_data.py, and install
+# Bioconductor's DropletUtils (Debian's r-bioc-dropletutils: R and ~70 packages, ~300 MB), the
+# oracle of tests/test_cells_dropletutils.py; R is a test dependency only.
 # Installing r-cran-seurat would bring R and ~180 packages for one 40 kB text file, so the .deb is
 # downloaded and unpacked (no scripts run) under $SCAGENT_REALDATA (default
 # /var/cache/scagent-realdata). Idempotent: does nothing when the files are there. Needs apt-get
 # (run as root for `apt-get update` on a bare machine). The PyPI sets come with the test extra.
 set -euo pipefail
+
+if ! Rscript -e 'library(DropletUtils)' >/dev/null 2>&1; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "tests/realdata/install.sh: must run as root to apt-get install r-bioc-dropletutils" >&2
+    exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q >/dev/null
+  apt-get install -y -q --no-install-recommends r-bioc-dropletutils >/dev/null
+  echo "DropletUtils $(Rscript -e 'cat(format(packageVersion("DropletUtils")))')"
+fi
 
 dest="${SCAGENT_REALDATA:-/var/cache/scagent-realdata}"
 # package -> the file the tests read from it (its path inside the package)

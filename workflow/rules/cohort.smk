@@ -1,6 +1,9 @@
 # The cohort object, only when config cohort_integration.method is not "disabled": every finished
-# sample's final object in one AnnData, integrated, clustered and labelled (agent/cohort/).
+# sample's final object in one AnnData, integrated, clustered and labelled (agent/cohort/). The
+# cohort's composition (always) and, where the sheet names conditions, its tests: the composition
+# test and differential expression per label (config conditions).
 
+from agent.cohort import composition, de
 from agent.cohort.integrate import SUMMARY
 
 COHORT = config["cohort_integration"]
@@ -8,7 +11,43 @@ COHORT_DIR = "results/cohort"
 COHORT_SUMMARY = f"{COHORT_DIR}/{SUMMARY}"
 # what the report reads when the cohort object is on; nothing (and no cohort job) when off
 COHORT_ON = COHORT["method"] != "disabled"
-COHORT_REPORT_INPUT = {"cohort": COHORT_SUMMARY} if COHORT_ON else {}
+# the composition and the tests read the cohort object's labels when it integrated them all
+COHORT_OBJECT = {"cohort": COHORT_SUMMARY} if COHORT_ON else {}
+CONDITIONS = config["conditions"]
+COMPOSITION_SUMMARY = f"{COHORT_DIR}/composition/{composition.SUMMARY}"
+DE_SUMMARY = f"{COHORT_DIR}/de/{de.SUMMARY}"
+# the differential expression only where some sample has a condition; the composition always
+DE_ON = bool(CONDITIONS["column"]) and any(s.get(CONDITIONS["column"]) for s in SAMPLES.values())
+COHORT_REPORT_INPUT = {
+    **COHORT_OBJECT,
+    "composition": COMPOSITION_SUMMARY,
+    **({"de": DE_SUMMARY} if DE_ON else {}),
+}
+# the report's options for them (`agent report --composition DIR --de DIR`)
+CONDITIONS_REPORT_OPTIONS = shlex.join(
+    [
+        *("--composition", os.path.dirname(COMPOSITION_SUMMARY)),
+        *(("--de", os.path.dirname(DE_SUMMARY)) if DE_ON else ()),
+    ]
+)
+# `agent composition`'s and `agent de`'s shared options from config, shell-quoted
+CONDITIONS_OPTIONS = [
+    *("--condition", CONDITIONS["column"], "--min-samples", str(CONDITIONS["min_samples"])),
+    *(("--reference", CONDITIONS["reference"]) if CONDITIONS["reference"] else ()),
+    *(("--cohort", COHORT_DIR) if COHORT_ON else ()),
+]
+COMPOSITION_OPTIONS = shlex.join(
+    [
+        *CONDITIONS_OPTIONS,
+        *(("--group-by", CONDITIONS["group_by"]) if CONDITIONS["group_by"] else ()),
+    ]
+)
+DE_OPTIONS = shlex.join(
+    [
+        *CONDITIONS_OPTIONS,
+        *("--min-cells", str(CONDITIONS["min_cells"]), "--alpha", str(CONDITIONS["alpha"])),
+    ]
+)
 
 
 # `agent integrate`'s options from config, shell-quoted
@@ -53,4 +92,65 @@ rule integrate_cohort:
         export OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} MKL_NUM_THREADS={threads}
         python -m agent integrate --world-states {input.world_states:q} --samples {input.sheet:q} \
             --outdir {params.outdir:q} {params.options} > {log:q} 2>&1
+        """
+
+
+rule cohort_composition:
+    """Each finished sample's share of every label (composition.tsv, stacked bars) and, with two or
+    more conditions of enough samples, propeller's test of which labels' shares differ."""
+    input:
+        **COHORT_OBJECT,  # its labels, when it integrated every finished sample
+        world_states=expand(str(SAMPLE.record), sample=SAMPLES),
+        sheet=config["samples"],  # the conditions and groups
+    output:
+        summary=COMPOSITION_SUMMARY,
+    log:
+        "logs/cohort/composition.log",
+    benchmark:
+        "benchmarks/cohort/composition.tsv"
+    params:
+        outdir=lambda wildcards, output: os.path.dirname(output.summary),
+        options=COMPOSITION_OPTIONS,
+    threads: 1
+    resources:
+        **rule_resources("cohort"),
+    conda:
+        "../../envs/agent.yaml"
+    container:
+        AGENT_IMAGE
+    shell:
+        """
+        python -m agent composition --world-states {input.world_states:q} --samples {input.sheet:q} \
+            --outdir {params.outdir:q} {params.options} > {log:q} 2>&1
+        """
+
+
+rule cohort_de:
+    """Differential expression between the conditions per label: pseudobulk counts of the samples
+    with enough cells of it, PyDESeq2 (~condition); the labels too rare for a test listed."""
+    input:
+        **COHORT_OBJECT,  # its labels and counts, when it integrated every finished sample
+        world_states=expand(str(SAMPLE.record), sample=SAMPLES),
+        sheet=config["samples"],
+    output:
+        summary=DE_SUMMARY,
+    log:
+        "logs/cohort/de.log",
+    benchmark:
+        "benchmarks/cohort/de.tsv"
+    params:
+        outdir=lambda wildcards, output: os.path.dirname(output.summary),
+        options=DE_OPTIONS,
+    threads: config["resources"]["cohort"]["cpus_per_task"]
+    resources:
+        **rule_resources("cohort"),
+    conda:
+        "../../envs/agent.yaml"
+    container:
+        AGENT_IMAGE
+    shell:
+        """
+        export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+        python -m agent de --world-states {input.world_states:q} --samples {input.sheet:q} \
+            --outdir {params.outdir:q} --threads {threads} {params.options} > {log:q} 2>&1
         """

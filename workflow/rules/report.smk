@@ -31,7 +31,10 @@ rule replay:
 rule report:
     """The cohort report (index.html, cohort.tsv, RO-Crate) from all world states and replays."""
     input:
-        **COHORT_REPORT_INPUT,  # the cohort object's summary, only when it is on
+        # the cohort object's summary (only when it is on), the composition's and, with
+        # conditions, the differential expression's
+        **COHORT_REPORT_INPUT,
+        **EVAL_REPORT_INPUT,  # the model's evaluation, only with eval.min_score (eval.smk)
         world_states=expand(str(SAMPLE.record), sample=SAMPLES),
         replays=expand(str(SAMPLE.replay), sample=SAMPLES),
         comparison=rules.compare.output.tsv,  # what reprocessing changed, copied and linked
@@ -56,9 +59,13 @@ rule report:
             else ""
         ),
         cohort=f"--cohort {COHORT_DIR}" if COHORT_ON else "",
+        conditions=CONDITIONS_REPORT_OPTIONS,
         comparison=lambda wildcards, input: Path(input.comparison).parent,
         # the servers' figures (only those that exist are read): the performance section
         server_metrics=shlex.join(["--server-metrics", *SERVER_METRICS]) if SERVER_METRICS else "",
+        # the model's latest evaluation, where there is one: linked when it is the samples' model
+        evaluation=EVAL_REPORT_OPTION,
+        evaluation_sha256=EVAL_REPORT_SHA256,
     resources:
         **rule_resources("report"),
     threads: 1
@@ -68,5 +75,6 @@ rule report:
         AGENT_IMAGE
     shell:
         "python -m agent report --world-states {input.world_states:q} --replays {input.replays:q}"
-        " --outdir {output.report:q} {params.workflow_root} {params.cohort}"
-        " --comparison {params.comparison:q} {params.server_metrics} > {log:q} 2>&1"
+        " --outdir {output.report:q} {params.workflow_root} {params.cohort} {params.conditions}"
+        " --comparison {params.comparison:q} {params.server_metrics} {params.evaluation}"
+        " > {log:q} 2>&1"

@@ -25,10 +25,12 @@
       tabs.forEach((t) => t.setAttribute("aria-pressed", String(t === b)));
     })
   );
-  // Numbers as numbers ("70%" too), text in natural order (s2 before s10), blanks last.
+  // Numbers as numbers ("70%" too), text in natural order (s2 before s10), blanks last; a
+  // cell's data-sort, where it has one, instead of its text (the checks: refused before warn).
   const collator = new Intl.Collator(undefined, { numeric: true });
   function key(row, i) {
-    const t = row.cells[i].textContent.trim();
+    const cell = row.cells[i];
+    const t = (cell.dataset.sort ?? cell.textContent).trim();
     const x = parseFloat(t);
     return t === "" ? [2, 0] : isNaN(x) ? [1, t] : [0, x];
   }
