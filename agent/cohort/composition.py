@@ -297,27 +297,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from agent.samplesheet import SampleSheetError, sample_cells
+    from agent.cohort.integrate import command_inputs, finished_inputs
 
     if args.min_samples < 2:
         say.error(
             f"--min-samples {args.min_samples}: expected at least 2 (a variance per condition)"
         )
         return 2
-    missing = [str(p) for p in args.world_states if not p.is_file()]
-    if missing:
-        say.error(f"--world-states: no such file: {', '.join(missing)}")
-        return 2
-    try:
-        cells = sample_cells(args.samples) if args.samples else {}
-    except SampleSheetError as e:
-        say.error(str(e))
+    cells = command_inputs(args.world_states, args.samples)
+    if cells is None:
         return 2
     if args.group_by and not any(args.group_by in c for c in cells.values()):
         say.error(f"--group-by {args.group_by}: no sample of {args.samples} has a value there")
         return 2
-    from agent.cohort.integrate import finished_inputs
-
     try:
         records, left_out = finished_inputs(args.world_states)
         summary = compose(

@@ -346,7 +346,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from agent.samplesheet import SampleSheetError, sample_cells
+    from agent.cohort.integrate import command_inputs, finished_inputs
 
     bounds = (("--min-cells", args.min_cells, 1), ("--min-samples", args.min_samples, 2),
               ("--threads", args.threads, 1))  # fmt: skip
@@ -357,17 +357,9 @@ def main(args: argparse.Namespace) -> int:
     if not 0 < args.alpha < 1:
         say.error(f"--alpha {args.alpha}: expected between 0 and 1")
         return 2
-    missing = [str(p) for p in args.world_states if not p.is_file()]
-    if missing:
-        say.error(f"--world-states: no such file: {', '.join(missing)}")
+    sheet = command_inputs(args.world_states, args.samples)
+    if sheet is None:
         return 2
-    try:
-        sheet = sample_cells(args.samples)
-    except SampleSheetError as e:
-        say.error(str(e))
-        return 2
-    from agent.cohort.integrate import finished_inputs
-
     try:
         records, left_out = finished_inputs(args.world_states)
         summary = differential_expression(

@@ -77,6 +77,25 @@ class Options:
     celltypist_model_sha256: str | None = None  # checked again where the model is used
 
 
+def command_inputs(
+    world_states: list[Path], samples: Path | None
+) -> dict[str, dict[str, str]] | None:
+    """What a cohort command is given, checked before any work: the sheet's columns per sample
+    (empty without a sheet); None, said, where a world-state path names no file (a mistake in
+    the command, not a sample that did not finish) or the sheet is refused (exit 2)."""
+    from agent.samplesheet import SampleSheetError, sample_cells
+
+    missing = [str(p) for p in world_states if not p.is_file()]
+    if missing:
+        say.error(f"--world-states: no such file: {', '.join(missing)}")
+        return None
+    try:
+        return sample_cells(samples) if samples else {}
+    except SampleSheetError as e:
+        say.error(str(e))
+        return None
+
+
 def finished_inputs(world_states: list[Path]) -> tuple[list[InputRecord], dict[str, str]]:
     """The finished samples among ``world_states`` whose records pass the integrity check
     (``check_record``: chain, seal, steps, and the final object holding the finish step's data,
@@ -513,8 +532,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from agent.samplesheet import SampleSheetError, sample_cells
-
     bounds = (
         ("--n-top-genes", args.n_top_genes, 10), ("--n-comps", args.n_comps, 2),
         ("--n-neighbors", args.n_neighbors, 2),
@@ -541,16 +558,9 @@ def main(args: argparse.Namespace) -> int:
         except OSError as e:
             say.error(f"--celltypist-model {args.celltypist_model}: {e}")
             return 1
-    # a path that names no file is a mistake in the command, not a sample that did not finish:
-    # refused, where it would otherwise end as a quiet "not integrated"
-    missing = [str(p) for p in args.world_states if not p.is_file()]
-    if missing:
-        say.error(f"--world-states: no such file: {', '.join(missing)}")
-        return 2
-    try:
-        columns = sample_cells(args.samples) if args.samples else {}
-    except SampleSheetError as e:
-        say.error(str(e))
+    # a missing world state would otherwise end as a quiet "not integrated"
+    columns = command_inputs(args.world_states, args.samples)
+    if columns is None:
         return 2
     options = Options(
         args.method, args.n_top_genes, args.n_comps, args.n_neighbors, args.resolution, args.seed,
