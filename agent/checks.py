@@ -8,7 +8,7 @@ result), so the model reads them as it goes; ``collect`` gathers them from a rec
 checks of the record as a whole, and the runner keeps the list in ``meta.checks`` (the report,
 the RO-Crate read it there).
 
-Every rule is named in ``RULES`` with what it checks; README and docs/architecture.md cite them.
+Every rule is named in ``RULES`` with what it checks; docs/methods.md cites them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from agent.tool_declarations import DECLARED, LOAD
 
 Verdict = Literal["pass", "warn", "refused"]
 Rule = Literal[
@@ -180,7 +182,7 @@ def _repeated_filters(entries: list[Any]) -> list[Check]:
     checks: list[Check] = []
     applied: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     for e in [*entries, None]:  # None: the end, like a load, closes the data's applications
-        if e is None or (e.tool == "load_data" and e.status == "ok"):
+        if e is None or (e.tool == LOAD and e.status == "ok"):
             checks += [_repeated(tool, calls) for tool, calls in applied.items() if len(calls) > 1]
             applied = {}
             continue
@@ -205,7 +207,7 @@ def _repeated(tool: str, calls: list[tuple[int, dict[str, Any]]]) -> Check:
 
 
 # The filters whose thresholds compose when applied again (agent/tools/filters.py).
-FILTERS = ("filter_cells", "filter_genes", "filter_by_qc")
+FILTERS = tuple(name for name, d in DECLARED.items() if d.kind in ("cell_filter", "gene_filter"))
 
 
 def strictest(applications: Iterable[dict[str, Any]]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import sys
 from importlib import metadata
 
 from agent import say
+from agent.exit_status import ExitStatus
 from agent.netenv import bypass_proxy_for_local
 
 SUBCOMMANDS = {
@@ -21,7 +22,7 @@ SUBCOMMANDS = {
     "synth": ("agent.data.synthetic", "write a synthetic sample or the demo cohort"),
     "serve": ("agent.serve.launch", "start a vLLM server with the four layers and wait on health"),
     "plan": ("agent.serve.plan_cli", "plan KV-cache capacity for a model on a GPU, as serve does"),
-    "replay": ("agent.replay", "re-run a recorded world state and compare the results"),
+    "replay": ("agent.replay.cli", "re-run a recorded world state and compare the results"),
     "report": ("agent.report", "aggregate world states into the cohort report"),
     "compare": ("agent.cohort.compare", "what reprocessing changed: two analyses of each sample"),
     "integrate": (
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name, help=help_text, add_help=False)
     if not argv or argv[0] not in SUBCOMMANDS:
         parser.parse_args(argv)  # usage, --help, --version, or the unknown subcommand's error
-        return 2
+        return ExitStatus.REFUSED
     say.command = f"agent {argv[0]}"
     bypass_proxy_for_local()  # before any client exists: a node's http_proxy never sees loopback
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])

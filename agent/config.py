@@ -15,7 +15,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agent.layout import SampleLayout
+from agent.record.layout import SampleLayout
 
 NAME_MAX = 255  # bytes of one file or folder name (Linux's file systems, NFS, Lustre)
 

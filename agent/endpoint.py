@@ -20,8 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.durable import atomic_write_json
-from agent.policies.base import PolicyUnavailable
+from agent.record.durable import atomic_write_json
+
+
+# Here, below the policies, so that the endpoint's own errors can be one of them.
+class PolicyUnavailable(Exception):
+    """The decider cannot be reached or used: it stayed unreachable past its wait, or refused us
+    at once (a wrong key, a stale endpoint); ``outages``: the waits for it, as in
+    ``agent.policies.base.Decision.outages``."""
+
+    def __init__(self, message: str, outages: list[dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.outages = outages or []
 
 
 class EndpointError(PolicyUnavailable):

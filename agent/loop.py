@@ -15,22 +15,21 @@ import orjson
 from agent import signals
 from agent.checks import check
 from agent.context import ContextManager
-from agent.layout import SampleLayout
+from agent.endpoint import PolicyUnavailable
 from agent.policies.base import (
     Decision,
     Policy,
-    PolicyUnavailable,
     PromptTooLong,
     Timing,
     ToolCall,
 )
+from agent.record.layout import SampleLayout
+from agent.record.models import MetricsRow, RunMeta
+from agent.record.world_state import Entry, WorldState
 from agent.registry import Outcome, ToolRegistry
-from agent.world_state import Entry, WorldState
+from agent.tool_declarations import CALL_CELLS, FINISH, LOAD
 
 NO_CALL = "(no tool call)"
-LOAD = "load_data"  # the tool that reads the input: while it has not succeeded, there are no data
-CALL_CELLS = "call_cells"  # decides whether the data hold cells at all (agent/tools/cells.py)
-FINISH = "finish"  # writes the final object; the run ends when it succeeds (agent/tools/finish.py)
 NUDGE = "Your last reply had no valid tool call. Call one of the tools; call finish when the analysis is done."
 
 
@@ -60,7 +59,7 @@ def run_loop(
         try:
             decision = policy.decide(messages, schemas, world)
         except PolicyUnavailable as e:  # the record keeps what was waited out before it failed
-            world.meta.setdefault("outages", []).extend(e.outages)
+            _record_outages(world, e.outages)
             raise
         except PromptTooLong as e:  # our estimate was low: learn from it and cut harder
             overflows += 1
@@ -70,10 +69,11 @@ def run_loop(
             continue
         think = time.perf_counter() - t0
         if decision.outages:
-            world.meta.setdefault("outages", []).extend(decision.outages)
+            _record_outages(world, decision.outages)
         if decision.thinking_budget_hit is not None:  # a budget was sent: count (0 included)
             hits = world.meta.get("thinking_budget_hits", 0) + decision.thinking_budget_hit
-            world.meta["thinking_budget_hits"] = hits  # steps whose thought the server closed
+            # steps whose thought the server closed
+            world.meta.update(RunMeta.part(thinking_budget_hits=hits))
         if not decision.calls and decision.finish_reason == "stop" and input_refusal(world):
             return "input_refused"
         context.observe(decision.usage)
@@ -121,6 +121,11 @@ def run_loop(
     return "step_limit"
 
 
+def _record_outages(world: WorldState, outages: list[dict[str, Any]]) -> None:
+    """The waits for the decider, added to the record's meta (a policy never edits the record)."""
+    world.meta.setdefault("outages", []).extend(RunMeta.part(outages=outages)["outages"])
+
+
 def after_finish(call: ToolCall, finish_step: int) -> Outcome:
     """A call of the reply that came after a successful finish: refused, not run, so the object
     written and the record's final numbers stay those of finish."""
@@ -161,25 +166,25 @@ def _report(
 ) -> None:
     """One progress line on stderr and one metrics line per iteration."""
     u = decision.usage
-    row = {
-        "step": world.entries[-1].step,
-        "tools": [o.tool for _, o in outcomes],
-        "status": [o.status for _, o in outcomes],
-        "decide_seconds": round(think, 4),
-        "tool_seconds": round(sum(o.seconds for _, o in outcomes), 4),
-        "prompt_tokens": u.prompt_tokens if u else None,
-        "completion_tokens": u.completion_tokens if u else None,
-        "cached_tokens": u.cached_tokens if u else None,
-        "reasoning_tokens": u.reasoning_tokens if u else None,
+    row = MetricsRow(
+        step=world.entries[-1].step,
+        tools=[o.tool for _, o in outcomes],
+        status=[o.status for _, o in outcomes],
+        decide_seconds=round(think, 4),
+        tool_seconds=round(sum(o.seconds for _, o in outcomes), 4),
+        prompt_tokens=u.prompt_tokens if u else None,
+        completion_tokens=u.completion_tokens if u else None,
+        cached_tokens=u.cached_tokens if u else None,
+        reasoning_tokens=u.reasoning_tokens if u else None,
         # the server's split of decide_seconds (vLLM per-request metrics; null where not sent)
         **vars(decision.timing or Timing()),
-        "thinking_budget_hit": decision.thinking_budget_hit,
-        "calibration": round(context.counter.factor, 4),
-        "time": time.time(),
+        thinking_budget_hit=decision.thinking_budget_hit,
+        calibration=round(context.counter.factor, 4),
+        time=time.time(),
         **context.last,
-    }
+    )
     with open(layout.metrics, "ab") as f:
-        f.write(orjson.dumps(row) + b"\n")
+        f.write(orjson.dumps(row.row()) + b"\n")
     tokens = (
         f" | prompt {u.prompt_tokens} completion {u.completion_tokens} cached {u.cached_tokens}"
         if u
@@ -190,8 +195,8 @@ def _report(
     if len(why) > 160:  # one console line; the record keeps the whole reason
         why = why[:157] + "..."
     print(
-        f"[{world.meta.get('sample', '?')}] step {row['step']} {names} "
-        f"{think + row['tool_seconds']:.2f}s{tokens}{': ' + why if why else ''}",
+        f"[{world.meta.get('sample', '?')}] step {row.step} {names} "
+        f"{think + row.tool_seconds:.2f}s{tokens}{': ' + why if why else ''}",
         file=log,
         flush=True,
     )

@@ -10,13 +10,15 @@ becomes an error ``Outcome`` that the model reads and the record keeps.
 
 What the rest of the project needs to know about a tool (what must have succeeded before it, whether
 it is worth a checkpoint, whether it changes the data, what kind of step it is) is declared once, by
-the ``@tool(...)`` decorator on the function; the registry refuses a function without it.
+the ``@tool(...)`` decorator on the function; the registry refuses a function without it, and
+finds a module's tools by it (``declared_tools``).
 """
 
 from __future__ import annotations
 
 import errno
 import functools
+import importlib
 import inspect
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -73,9 +75,12 @@ def infrastructure_fault(e: BaseException) -> BaseException | None:
     return None
 
 
+# The kind of step a tool is. "load", "cell_calling" and "finish" are one tool each: the loop and
+# resume know the tool that reads the input, decides there are cells and ends the run by its kind
+# (agent/tool_declarations.py).
 Kind = Literal[
-    "io", "cell_calling", "qc", "cell_filter", "gene_filter", "doublets", "preprocess", "embed",
-    "cluster", "ambient", "markers", "annotate", "plot", "finish",
+    "load", "cell_calling", "qc", "cell_filter", "gene_filter", "doublets", "preprocess", "embed",
+    "cluster", "ambient", "markers", "annotate", "plot", "save", "finish",
 ]  # fmt: skip
 
 # The stages of a complete analysis, in order. A tool declares the stage it reaches (``@tool(...,
@@ -163,6 +168,20 @@ def tool(
         return run
 
     return wrap
+
+
+def declared_tools(modules: Iterable[str]) -> list[Callable[..., dict[str, Any]]]:
+    """The functions the named modules declare with ``@tool``: module by module, each one's in
+    source order (a module's namespace keeps the order of definition; a tool it imports is the
+    other module's)."""
+    found = []
+    for name in modules:
+        found += [
+            fn
+            for fn in vars(importlib.import_module(name)).values()
+            if isinstance(getattr(fn, "spec", None), ToolSpec) and fn.__module__ == name
+        ]
+    return found
 
 
 def evidence_settings(

@@ -22,13 +22,15 @@ from typing import Any, Literal
 import orjson
 
 from agent import say
-from agent.durable import Unsupported, link_atomically, same_file
-from agent.integrity import check_record
-from agent.layout import Kept, SampleLayout
-from agent.lock import FolderBusy, FolderLock
-from agent.provenance import now
+from agent.record.durable import Unsupported, link_atomically, same_file
+from agent.record.integrity import check_record
+from agent.record.layout import Kept, SampleLayout
+from agent.record.lock import FolderBusy, FolderLock
+from agent.record.models import RunMeta
+from agent.record.provenance import now
+from agent.record.world_state import WorldState, record_version
 from agent.registry import ToolRegistry
-from agent.world_state import WorldState, record_version
+from agent.tool_declarations import FINISH, LOAD
 
 # ended with the analysis' own result (a refused input is refused again by the same settings)
 RESULTS = ("finished", "partial", "repeated_failures", "input_refused")
@@ -97,16 +99,14 @@ def decide(
     return Choice("resume", f"unfinished ({status})")
 
 
-# Settings added after earlier records were written, with the value those runs had: such a
-# record still matches a run that keeps that value.
-SINCE_ADDED = {"doublets": "remove"}
-
-
 def differences(meta: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """The settings a record differs in; a setting added after it was written counts with the
+    value its run had (RunMeta.since_added), so it still matches a run that keeps that value."""
+    recorded = {key: meta[key] if key in meta else RunMeta.since_added(key) for key in wanted}
     return [
-        f"{key} {meta.get(key, SINCE_ADDED.get(key))!r} (this run: {wanted[key]!r})"
+        f"{key} {recorded[key]!r} (this run: {wanted[key]!r})"
         for key in wanted
-        if meta.get(key, SINCE_ADDED.get(key)) != wanted[key]
+        if recorded[key] != wanted[key]
     ]
 
 
@@ -114,9 +114,7 @@ def ended_with_finish(world: WorldState) -> str | None:
     """How a run ended whose `finish` succeeded ("finished" or "partial", as finish said), also
     when it was killed before its record said so; None when no finish succeeded last. Calls its
     reply made after it were refused and recorded after it."""
-    done = next(
-        (e for e in reversed(world.entries) if e.tool == "finish" and e.status == "ok"), None
-    )
+    done = next((e for e in reversed(world.entries) if e.tool == FINISH and e.status == "ok"), None)
     if done is None or any(e.status == "ok" for e in world.entries if e.step > done.step):
         return None
     return (done.result or {}).get("status", "finished")
@@ -280,7 +278,7 @@ def catch_up(world: WorldState, session: Any, registry: ToolRegistry) -> dict[st
         session.stages, session.stale = {}, {}
         for e in world.entries:
             if e.step <= restored and e.status == "ok" and e.tool in registry.specs():
-                if e.tool == "load_data":
+                if e.tool == LOAD:
                     session.stages, session.stale = {}, {}
                 spec = registry.spec(e.tool)
                 if spec.stage or spec.resets:

@@ -18,13 +18,16 @@ from pydantic import ValidationError
 from agent import checks, say
 from agent.config import LOAD_OPTIONS, RunConfig
 from agent.context import ContextManager, TokenCounter, tokenizer_estimate
-from agent.durable import Unsupported, check_hard_links
-from agent.lock import FolderBusy, FolderLock
+from agent.endpoint import PolicyUnavailable
+from agent.exit_status import ExitStatus, epilog
 from agent.loop import input_refusal, run_loop
 from agent.policies import make_policy
-from agent.policies.base import PolicyUnavailable
 from agent.prompts import BRIEF, RESUMED, SYSTEM_PROMPT
-from agent.provenance import checksum, file_sha256, input_checksums, now, versions
+from agent.record.durable import Unsupported, check_hard_links
+from agent.record.lock import FolderBusy, FolderLock
+from agent.record.models import RunMeta
+from agent.record.provenance import checksum, file_sha256, input_checksums, now, versions
+from agent.record.world_state import RECORD_VERSION, WorldState
 from agent.registry import InfrastructureError
 from agent.resume import (
     CannotReuse,
@@ -37,7 +40,7 @@ from agent.resume import (
     remove_temporary,
 )
 from agent.signals import Interrupted, interruptible
-from agent.world_state import RECORD_VERSION, WorldState
+from agent.tool_declarations import FINISH
 
 
 class BadInput(Exception):
@@ -86,18 +89,19 @@ def run_sample(config: RunConfig) -> str:
             sums = input_checksums(config.input)
         except OSError as e:
             raise InfrastructureError(f"cannot read input {config.input}: {e}") from e
-        wanted = {  # what decides an analysis besides its code: kept or resumed only under the same
-            "sample": config.sample_name,
-            "input_sha256": checksum(config.input, sums),
-            "policy": config.policy,
-            "seed": config.seed,
-            "brief": config.brief,
+        # what decides an analysis besides its code: kept or resumed only under the same
+        wanted = RunMeta.part(
+            sample=config.sample_name,
+            input_sha256=checksum(config.input, sums),
+            policy=config.policy,
+            seed=config.seed,
+            brief=config.brief,
             **{k: getattr(config, k) for k in LOAD_OPTIONS},
             # the reference model's content, not its place: a changed model redoes the sample
-            "celltypist_model_sha256": model_sha256(config),
-            "doublets": config.doublets,
-            "raw_input_sha256": raw_sha256(config),  # the soup's droplets: content, not place
-        }
+            celltypist_model_sha256=model_sha256(config),
+            doublets=config.doublets,
+            raw_input_sha256=raw_sha256(config),  # the soup's droplets: content, not place
+        )
         action, world = plan(layout, wanted, config.max_steps, config.fresh, config.replace_changed)
         if action == "keep":
             return _keep(world, layout)
@@ -107,12 +111,14 @@ def run_sample(config: RunConfig) -> str:
             world = WorldState(
                 meta={
                     **wanted,
-                    "input": str(config.input.resolve()),
-                    "input_files": sums,
-                    "celltypist_model": model_path(config),
-                    "raw_input": str(config.raw_input.resolve()) if config.raw_input else None,
-                    "started": now(),
-                    "resumed": [],
+                    **RunMeta.part(
+                        input=str(config.input.resolve()),
+                        input_files=sums,
+                        celltypist_model=model_path(config),
+                        raw_input=str(config.raw_input.resolve()) if config.raw_input else None,
+                        started=now(),
+                        resumed=[],
+                    ),
                 }
             )
         keep_metrics(layout, fresh=action == "new")
@@ -124,7 +130,7 @@ def _keep(world: WorldState, layout: Any) -> str:
     ended = ended_with_finish(world)
     if ended and meta.get("status") != ended:
         # killed after `finish` succeeded, before the record said so: it ended as finish said
-        meta.update(status=ended, ended=now())
+        meta.update(RunMeta.part(status=ended, ended=now()))
         meta.pop("error", None)
         _conclude(world, ended)
         world.save_record(layout)
@@ -137,40 +143,49 @@ def _keep(world: WorldState, layout: Any) -> str:
     return meta["status"]
 
 
-def _run(config: RunConfig, world: WorldState, layout: Any, wanted: dict[str, Any]) -> str:
+def _mark_running(world: WorldState, config: RunConfig) -> None:
+    """The record's meta as this attempt begins: who runs it, where, with which versions."""
     from agent.digest import DIGEST_VERSION
+
+    meta = world.meta
+    meta.update(
+        RunMeta.part(
+            policy=config.policy,
+            model=None,
+            server_flags=None,
+            server=None,  # the policy's setup fills these three for a model it asks
+            sampling=None,
+            prompt_digest=None,
+            seed=config.seed,
+            versions=versions(),
+            digest_version=DIGEST_VERSION,
+            host=platform.node(),
+            slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+            ended=None,
+            status="running",
+        )
+    )
+    meta.pop("error", None)
+    meta.pop("checks", None)  # a resumed run's are written again when it ends
+    if not world.entries:  # a resumed record keeps the version it was begun with
+        meta.update(RunMeta.part(record_version=RECORD_VERSION))
+
+
+def _run(config: RunConfig, world: WorldState, layout: Any, wanted: dict[str, Any]) -> str:
     from agent.tools import build_registry
     from agent.tools.session import Session
 
     sample, meta = config.sample_name, world.meta
     # the record as it was, for the second look of the rule table once the model is known
     recorded = WorldState(meta=dict(meta), entries=world.entries) if world.entries else None
-    meta.update(
-        policy=config.policy,
-        model=None,
-        server_flags=None,
-        server=None,  # the policy's setup fills these three for a model it asks
-        sampling=None,
-        prompt_digest=None,
-        seed=config.seed,
-        versions=versions(),
-        digest_version=DIGEST_VERSION,
-        host=platform.node(),
-        slurm_job_id=os.environ.get("SLURM_JOB_ID"),
-        ended=None,
-        status="running",
-    )
-    meta.pop("error", None)
-    meta.pop("checks", None)  # a resumed run's are written again when it ends
-    if not world.entries:  # a resumed record keeps the version it was begun with
-        meta["record_version"] = RECORD_VERSION
+    _mark_running(world, config)
     registry = build_registry()
     context = None
     try:
         setup = make_policy(config, registry)
         refuse_another_model(layout, recorded, wanted, config.max_steps, setup.meta.get("model"))
         meta.update(setup.meta)
-        meta["context_limit"] = setup.context_limit or config.context_limit
+        meta.update(RunMeta.part(context_limit=setup.context_limit or config.context_limit))
         context = ContextManager(
             SYSTEM_PROMPT,
             registry.schemas(),
@@ -180,7 +195,9 @@ def _run(config: RunConfig, world: WorldState, layout: Any, wanted: dict[str, An
             counter=TokenCounter(tokenizer_estimate(setup.tokenizer)),
         )
         if config.policy == "llm":  # the only policy that is told anything
-            meta["prompt_digest"] = prompt_digest(context.system_prompt, context.tools)
+            meta.update(
+                RunMeta.part(prompt_digest=prompt_digest(context.system_prompt, context.tools))
+            )
         context.add_user(BRIEF.format(sample=sample, input=config.input.name, brief=_brief(config)))
         session = Session(
             layout.root, seed=config.seed, input_path=config.input,
@@ -191,7 +208,7 @@ def _run(config: RunConfig, world: WorldState, layout: Any, wanted: dict[str, An
         )  # fmt: skip
         if world.entries:
             resumed = catch_up(world, session, registry)
-            meta["resumed"].append(resumed)
+            meta["resumed"] += RunMeta.part(resumed=[resumed])["resumed"]
             context.add_user(RESUMED.format(step=world.next_step - 1))
             print(
                 f"[{sample}] resuming after step {world.next_step - 1} "
@@ -207,17 +224,19 @@ def _run(config: RunConfig, world: WorldState, layout: Any, wanted: dict[str, An
         raise  # the record is as it was: nothing of this run was recorded
     except Interrupted as e:  # the record must say how the run ended, whatever ended it
         meta.update(
-            status="interrupted",
-            error=f"{e} after step {world.next_step - 1}; a rerun resumes",
-            ended=now(),
+            RunMeta.part(
+                status="interrupted",
+                error=f"{e} after step {world.next_step - 1}; a rerun resumes",
+                ended=now(),
+            )
         )
         _record_ending(world, layout)
         raise
     except BaseException as e:
-        meta.update(status="failed", error=f"{type(e).__name__}: {e}", ended=now())
+        meta.update(RunMeta.part(status="failed", error=f"{type(e).__name__}: {e}", ended=now()))
         _record_ending(world, layout)
         raise
-    meta.update(status=status, ended=now(), truncations=context.truncations)
+    meta.update(RunMeta.part(status=status, ended=now(), truncations=context.truncations))
     _conclude(world, status)
     world.save_record(layout)
     publish(layout)
@@ -227,18 +246,19 @@ def _run(config: RunConfig, world: WorldState, layout: Any, wanted: dict[str, An
 def _conclude(world: WorldState, status: str) -> None:
     """What the record's meta says of a run that ended with its own result: why it did not finish
     (``error``), and every check of its decisions (``checks``)."""
-    meta = world.meta
+    error = None
     if status == "input_refused":
-        meta["error"] = f"input refused: {input_refusal(world)}"
+        error = f"input refused: {input_refusal(world)}"
     elif status == "partial":
-        done = world.last_ok("finish")
+        done = world.last_ok(FINISH)
         reason = (done.params.get("partial") if done else None) or "not given"
         missing = ", ".join(((done.result or {}).get("missing") or {}) if done else ()) or "none"
-        meta["error"] = f"partial analysis: {reason} (stages missing: {missing})"
+        error = f"partial analysis: {reason} (stages missing: {missing})"
     elif status != "finished":
         last_error = next((e.error for e in reversed(world.entries) if e.error), None)
-        meta["error"] = f"run ended without finish ({status}); last error: {last_error}"
-    meta["checks"] = [c.model_dump() for c in checks.collect(world.entries)]
+        error = f"run ended without finish ({status}); last error: {last_error}"
+    found = [c.model_dump() for c in checks.collect(world.entries)]
+    world.meta.update(RunMeta.part(**({"error": error} if error else {}), checks=found))
 
 
 def _record_ending(world: WorldState, layout: Any) -> None:
@@ -314,32 +334,16 @@ def _brief(config: RunConfig) -> str:
     return " ".join(part for part in (config.brief, load, model, doublets) if part)
 
 
-# Exit statuses of `agent run`: documented in its --help and in main's docstring.
-EXIT_INPUT_REFUSED = 3
-EXIT_STATUSES = (
-    "exit status: 0 the analysis ended with a complete record (finished, partial, or unfinished after "
-    "repeated failures or at the step limit); 1 something outside the analysis broke it (server, "
-    "I/O, too little memory or disk for the input, folder in use): a rerun resumes; 2 refused "
-    "before starting (options, missing input, an earlier record with other settings, an output "
-    f"folder without hard links or locks); {EXIT_INPUT_REFUSED} the input was refused (load_data "
-    "could not read counts from it; the record says why in meta.error); 128+N stopped by signal N"
-)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     RunConfig.add_arguments(parser)
-    parser.epilog = EXIT_STATUSES
+    parser.epilog = epilog()
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit status: 0 when the run ended with a complete record, even a partial or unfinished
-    analysis (partial: amber in the report; repeated failures, step limit: failed); 1 when
-    something outside the analysis broke it (server gone, I/O error, too little memory for the
-    input, folder busy): a retry (with more memory) resumes it; 2 when it was refused before starting (options, input,
-    an earlier record with other settings, a folder without hard links or locks); 3 when the
-    input was refused (load_data could not read counts from it and no option it names helped:
-    the record says why; a rerun with the same input and options ends the same); 128+N when
-    signal N stopped it (the record says so; a rerun resumes).
+    """The run's exit status (agent/exit_status.py): ``COMPLETE`` also for a partial or unfinished
+    analysis (partial: amber in the report; repeated failures, step limit: failed); ``BROKEN``
+    when a retry (with more memory) resumes it; ``INPUT_REFUSED`` when no option the record's
+    meta.error names helped, so a rerun with the same input and options ends the same.
     A run that started ends with one closing line: how it ended, steps, seconds, the record."""
     t0 = time.monotonic()
     try:
@@ -351,7 +355,7 @@ def main(args: argparse.Namespace) -> int:
             for err in e.errors()
         )
         say.error(f"{problems}")
-        return 2
+        return ExitStatus.REFUSED
     name, record = config.sample_name, config.layout.record
 
     def closing(ended: str, why: str = "") -> None:
@@ -367,24 +371,24 @@ def main(args: argparse.Namespace) -> int:
             status = run_sample(config)
     except (BadInput, CannotReuse, Unsupported) as e:  # refused: nothing of this run recorded
         say.error(f"{name}: {e}")
-        return 2
+        return ExitStatus.REFUSED
     except FolderBusy as e:  # another run writes the record: not this run's to summarise
         say.error(f"{name}: {e}")
-        return 1
+        return ExitStatus.BROKEN
     except (PolicyUnavailable, InfrastructureError, OSError) as e:
-        closing("failed (exit 1)", f"; {e}; a rerun resumes")
-        return 1
+        closing(f"failed (exit {ExitStatus.BROKEN})", f"; {e}; a rerun resumes")
+        return ExitStatus.BROKEN
     except Interrupted as e:
         closing(f"{e} (exit {e.exit_code})", "; it says so and a rerun resumes")
         return e.exit_code
     if status == "input_refused":
         error = WorldState.load(record).meta.get("error", "")
-        closing(f"input refused (exit {EXIT_INPUT_REFUSED})", f"; {error}")
-        return EXIT_INPUT_REFUSED
+        closing(f"input refused (exit {ExitStatus.INPUT_REFUSED})", f"; {error}")
+        return ExitStatus.INPUT_REFUSED
     if status in ("finished", "partial"):
         closing(
             status, "" if status == "finished" else f"; {WorldState.load(record).meta['error']}"
         )
     else:
         closing(f"analysis ended without finish ({status})")
-    return 0
+    return ExitStatus.COMPLETE

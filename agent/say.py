@@ -6,6 +6,7 @@ A leaf module: any module may import it; `agent/cli.py` names the command before
 from __future__ import annotations
 
 import sys
+import time
 
 command = "agent"  # "agent SUBCOMMAND" once cli.main has chosen one
 
@@ -16,3 +17,14 @@ def note(message: str) -> None:
 
 def error(message: str) -> None:
     note(f"error: {message}")
+
+
+class Progress:
+    """One line on stderr per stage with the seconds since the start: a cohort of hundreds takes
+    tens of seconds, and a silent job looks hung."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        note(f"{what} ({time.monotonic() - self.start:.1f} s)")

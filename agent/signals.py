@@ -10,6 +10,8 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from agent.exit_status import after_signal
+
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -20,7 +22,7 @@ class Interrupted(BaseException):  # not an Exception: no tool or retry loop may
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum  # the shell's convention for "ended by signal N"
+        return after_signal(self.signum)
 
 
 _received: list[int] = []  # the signal, kept: a raise inside a finalizer is printed and lost

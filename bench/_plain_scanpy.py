@@ -4,15 +4,18 @@ Each successful step of a world state is redone with the scanpy calls its tool m
 exact parameters it recorded, and nothing else: no argument validation, no result summaries, no
 data digests, no checkpoints, no world state. The choices that came from the data are taken from
 the record, as a scientist would hard-code them: the thresholds, the number of PCs and the
-resolution from the recorded parameters; the QC gene patterns, the principal components Scrublet
-used, the species of the marker sets and the gene-symbol column from the recorded results.
+resolution from the recorded parameters; whether the input needed cells called and EmptyDrops'
+bounds, the QC gene patterns, the QC thresholds as applied, the principal components Scrublet
+used, the ambient method, the species of the marker sets and the gene-symbol column from the
+recorded results.
 
-Where a step's computation is the tools' own logic rather than a scanpy call (the QC gene masks,
-the doublet batches, pca's scaled copy of the variable genes, the sweep's separation, stability
-and silhouette scores, the annotation's labels), it calls the tools' helpers instead of a copy
-of them, so that this baseline does the same work as the tools when they change.
+Where a step's computation is the tools' own logic rather than a scanpy call (EmptyDrops, the
+QC gene masks, the doublet batches and threshold, pca's scaled copy of the variable genes, the
+sweep's scores, SoupX and DecontX, the marker sets, lineage gates and labels, the figures), it
+calls the tools' helpers instead of a copy of them, so that this baseline does the same work as
+the tools when they change.
 
-    python bench/_plain_scanpy.py WORLD_STATE INPUT OUTDIR
+    python -m bench._plain_scanpy WORLD_STATE INPUT OUTDIR
 
 writes OUTDIR/adata.h5ad, OUTDIR/plots/ and OUTDIR/step_seconds.json (seconds per step).
 """
@@ -26,7 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anndata as ad
 import matplotlib
 
 matplotlib.use("Agg")
@@ -35,40 +37,43 @@ import numpy as np
 import scanpy as sc
 from scipy import sparse
 
-from agent.tools.annotate import (
-    _decide,
-    _match_genes,
-    _parse_marker_sets,
-    default_marker_sets,
-    evidence_table,
-)
-from agent.tools.cluster import (
-    LEIDEN_ARGS,
-    _expression,
-    _leiden_labels,
-    _pca_used,
-    _silhouette,
-    _stability,
-    separating_genes,
-)
-from agent.tools.common import counts_matrix
-from agent.tools.doublets import _batches
+from agent.record.world_state import WorldState
+from agent.tools import decontx, soupx
+from agent.tools.ambient import LAYER, SOUP_COLUMN, _raw_soup
+from agent.tools.annotate import UNKNOWN, _detection, _label, evidence_table
+from agent.tools.cells import _curve
+from agent.tools.cluster import LEIDEN_ARGS, _expression, _pca_used, _score
+from agent.tools.common import all_genes, counts_matrix
+from agent.tools.doublets import _automatic_threshold, _batches, _bounded, expected_rate, flagged
 from agent.tools.embed import _pca_of_scaled_copy
-from agent.tools.io import _round_counts, _select_counts, _use_symbols
-from agent.tools.plots import GENES_PER_SET, qc_violin
+from agent.tools.emptydrops import empty_drops
+from agent.tools.filters import QC_COLUMNS
+from agent.tools.io import (
+    _merge_duplicate_genes,
+    _round_counts,
+    _select_counts,
+    _use_symbols,
+    read_matrix,
+)
+from agent.tools.lineage import lineage_table
+from agent.tools.marker_sets import default_markers, match, parse_markers
+from agent.tools.markers import rank_singlets
+from agent.tools.plots import _figure
 from agent.tools.preprocess import SCALE_KEY, scale_settings
 from agent.tools.qc import _species_patterns, gene_masks
-from agent.tools.species import detect_species
-from agent.world_state import WorldState
 
 TIMINGS_FILE = "step_seconds.json"  # seconds per step, which bench/tool_overhead.py reads
 
 
 class Plain:
-    """What the script keeps between steps: the data, where to read and write, the seed."""
+    """What the script keeps between steps: the data, where to read and write, the seed, the
+    run's unfiltered matrix (--raw-input, SoupX's soup where call_cells kept none)."""
 
-    def __init__(self, input_path: Path, outdir: Path, record_dir: Path, seed: int):
+    def __init__(
+        self, input_path: Path, outdir: Path, record_dir: Path, seed: int, raw_input: str | None
+    ):
         self.input, self.outdir, self.record_dir, self.seed = input_path, outdir, record_dir, seed
+        self.raw_input = raw_input
         self.adata: Any = None
 
     def path(self, given: str | None) -> Path:
@@ -85,38 +90,66 @@ def load_data(
     s: Plain, result: dict, path: str | None = None, layer: str | None = None, **_: Any
 ) -> None:
     source = s.path(path)
-    if source.is_dir():
-        adata = sc.read_10x_mtx(source, var_names="gene_symbols", make_unique=False, cache=False)
-    elif source.suffix == ".h5":
-        adata = sc.read_10x_h5(source)
-    else:
-        adata = ad.read_h5ad(source)
+    adata, _ = read_matrix(source)
     adata = _select_counts(adata, source, layer)
+    adata.uns.pop("log1p", None)  # X holds counts now: as the tool, no mark or .raw of others
+    adata.raw = None
     _round_counts(adata)
     column = result.get("gene_symbols_from", "var_names")
     if column != "var_names":
         _use_symbols(adata, column)
-    adata.var_names_make_unique()
+    if adata.var_names.duplicated().any():
+        adata = _merge_duplicate_genes(adata)
     adata.X = sparse.csr_matrix(adata.X, dtype=np.float32)
     s.adata = adata
 
 
-def _keep(fn: Callable[..., Any], s: Plain, axis: int, given: dict[str, Any]) -> np.ndarray:
-    """scanpy's filter (one threshold per call) on the raw counts, the masks combined."""
+def call_cells(
+    s: Plain, result: dict, fdr: float, iterations: int, max_iterations: int, **_: Any
+) -> None:
+    if result["decision"] != "unfiltered":  # called cells already: nothing removed
+        return
+    matrix = sparse.csr_matrix(s.adata.X)
+    counts = sparse.csr_matrix(
+        (np.rint(matrix.data).astype(np.int64), matrix.indices, matrix.indptr), shape=matrix.shape
+    )
+    counts.eliminate_zeros()
+    totals = np.asarray(counts.sum(axis=1)).ravel().astype(np.int64)
+    rng = np.random.default_rng(s.seed)
+    called = empty_drops(counts, totals, result["lower"], result["retain"], fdr, iterations,
+                         max_iterations, rng)  # fmt: skip
+    cells = called.called(fdr)
+    kept = s.adata[cells].copy()
+    kept.obs["empty_drops_fdr"] = called.fdr[cells]
+    kept.var[SOUP_COLUMN] = soupx.soup_counts(matrix, totals)
+    kept.uns["cell_calling"] = {**result, "curve": _curve(totals, cells)}  # the barcode-rank plot
+    s.adata = kept
+
+
+def _masks(fn: Callable[..., Any], s: Plain, given: dict[str, Any]) -> dict[str, np.ndarray]:
+    """scanpy's filter (one threshold per call) on the raw counts: what each keeps."""
     counts = sc.AnnData(counts_matrix(s.adata))
-    keep = np.ones(counts.shape[axis], bool)
-    for name, value in given.items():
-        if value is not None:
-            keep &= fn(counts, **{name: value}, inplace=False)[0]
-    return keep
+    return {
+        name: fn(counts, **{name: value}, inplace=False)[0]
+        for name, value in given.items()
+        if value is not None
+    }
 
 
-def filter_cells(s: Plain, result: dict, **given: Any) -> None:
-    s.adata = s.adata[_keep(sc.pp.filter_cells, s, 0, given)].copy()
+def filter_cells(s: Plain, result: dict, override_reason: str | None = None, **given: Any) -> None:
+    keep = np.logical_and.reduce(list(_masks(sc.pp.filter_cells, s, given).values()))
+    s.adata = s.adata[keep].copy()
 
 
-def filter_genes(s: Plain, result: dict, **given: Any) -> None:
-    s.adata = s.adata[:, _keep(sc.pp.filter_genes, s, 1, given)].copy()
+def filter_genes(s: Plain, result: dict, override_reason: str | None = None, **given: Any) -> None:
+    masks = _masks(sc.pp.filter_genes, s, given)
+    keep = np.logical_and.reduce(list(masks.values()))
+    # genes removed as detected too little were measured: annotate_clusters' gates read them
+    detected = [mask for name, mask in masks.items() if name != "max_cells"]
+    undetected = list(s.adata.var_names[~np.logical_and.reduce(detected)]) if detected else []
+    s.adata = s.adata[:, keep].copy()
+    stored = s.adata.uns.setdefault("filter_genes", {})
+    stored["undetected_genes"] = [*stored.get("undetected_genes", []), *undetected]
 
 
 def qc_metrics(
@@ -139,46 +172,51 @@ def qc_metrics(
         adata, qc_vars=["mt", "ribo", "hb"], percent_top=None, log1p=True, inplace=True,
         layer="counts" if "counts" in adata.layers else None,
     )  # fmt: skip
-    if "suggested_thresholds" in result:  # drawn on the QC violin
-        adata.uns["qc_thresholds"] = {"suggested": dict(result["suggested_thresholds"])}
+    # drawn on the QC plots; None: a max_pct_mt that could not act (no MT genes)
+    suggested = result.get("suggested_thresholds") or {}
+    adata.uns["qc_thresholds"] = {
+        "suggested": {k: v for k, v in suggested.items() if v is not None},
+        **({"not_applied": result["not_applied"]} if result.get("not_applied") else {}),
+    }
 
 
-def filter_by_qc(s: Plain, result: dict, **given: Any) -> None:
+def filter_by_qc(s: Plain, result: dict, **_: Any) -> None:
+    applied = result["thresholds"]  # as applied: no max_pct_mt where it could not act
     obs = s.adata.obs
-    genes, counts, mt = obs["n_genes_by_counts"], obs["total_counts"], obs["pct_counts_mt"]
     keep = np.ones(s.adata.n_obs, bool)
-    tests = {
-        "min_genes": lambda v: genes >= v, "max_genes": lambda v: genes <= v,
-        "min_counts": lambda v: counts >= v, "max_counts": lambda v: counts <= v,
-        "max_pct_mt": lambda v: mt <= v,
-    }  # fmt: skip
-    given = {k: v for k, v in given.items() if v is not None}
-    for name, value in given.items():
-        keep &= tests[name](value).to_numpy()
+    for name, value in applied.items():
+        column = obs[QC_COLUMNS[name]].to_numpy()
+        keep &= column >= value if name.startswith("min_") else column <= value
     s.adata = s.adata[keep].copy()
-    s.adata.uns.setdefault("qc_thresholds", {})["applied"] = given
+    s.adata.uns.setdefault("qc_thresholds", {})["applied"] = dict(applied)
 
 
 def detect_doublets(
     s: Plain,
     result: dict,
-    expected_doublet_rate: float,
+    expected_doublet_rate: float | None,
     threshold: float | None,
     n_prin_comps: int,
 ) -> None:
+    if "skipped" in result:  # too few cells, or spatial spots: none called
+        return
     adata = s.adata
+    rate, rate_from = expected_rate(adata.n_obs, expected_doublet_rate)
     batches = _batches(adata.n_obs, s.seed)
-    comps = result.get("n_prin_comps", n_prin_comps)  # as Scrublet could use them
+    comps = result["n_prin_comps"]  # as Scrublet could use them
     comps = comps if isinstance(comps, list) else [comps] * len(batches)
-    scores, called = np.zeros(adata.n_obs), np.zeros(adata.n_obs, bool)
+    scores, sims = np.full(adata.n_obs, np.nan), []
     for cells, k in zip(batches, comps, strict=True):
-        batch = adata if len(batches) == 1 else adata[cells].copy()
-        sc.pp.scrublet(batch, expected_doublet_rate=expected_doublet_rate, threshold=threshold,
-                       n_prin_comps=k, random_state=s.seed, use_approx_neighbors=False,
-                       verbose=False)  # fmt: skip
-        scores[cells] = batch.obs["doublet_score"].to_numpy()
-        called[cells] = batch.obs["predicted_doublet"].astype(bool).to_numpy()
-    adata.obs["doublet_score"], adata.obs["predicted_doublet"] = scores, called
+        batch = adata[cells].copy()
+        sc.pp.scrublet(batch, expected_doublet_rate=rate, threshold=0.0, n_prin_comps=k,
+                       random_state=s.seed, use_approx_neighbors=False, verbose=False)  # fmt: skip
+        scores[cells] = batch.obs["doublet_score"].to_numpy(dtype=float)
+        sims.append(np.asarray(batch.uns["scrublet"]["doublet_scores_sim"]))
+    sim = np.concatenate(sims)
+    if threshold is None:  # one threshold from all batches' simulated doublets, bounded
+        threshold, _ = _bounded(scores, _automatic_threshold(sim), rate, rate_from)
+    adata.obs["doublet_score"], adata.obs["predicted_doublet"] = scores, scores > threshold
+    adata.uns["scrublet"] = {"doublet_scores_sim": sim, "threshold": threshold}  # for the plot
 
 
 def remove_doublets(s: Plain, result: dict) -> None:
@@ -235,10 +273,7 @@ def cluster_sweep(s: Plain, result: dict, resolutions: list[float]) -> None:
     adjacency, coords = adata.obsp["connectivities"], _pca_used(adata)
     expression = _expression(adata)
     for resolution in sorted(set(resolutions)):
-        labels = _leiden_labels(adjacency, resolution, s.seed)
-        separating_genes(expression, coords, labels)
-        _stability(adjacency, labels, resolution, s.seed)
-        _silhouette(coords, labels, s.seed)
+        _score(adjacency, expression, coords, resolution, s.seed)
 
 
 def leiden(s: Plain, result: dict, resolution: float, key_added: str) -> None:
@@ -246,12 +281,34 @@ def leiden(s: Plain, result: dict, resolution: float, key_added: str) -> None:
                  **LEIDEN_ARGS)  # fmt: skip
 
 
+def remove_ambient(
+    s: Plain, result: dict, groupby: str, round_to_int: bool, max_iterations: int, **_: Any
+) -> None:
+    adata = s.adata
+    codes, _ = adata.obs[groupby].astype(str).factorize(sort=True)
+    matrix = sparse.csr_matrix(counts_matrix(adata), dtype=np.float64)
+    if result["method"] == "soupx":  # the soup: the input's droplets, else the raw matrix's
+        if SOUP_COLUMN in adata.var:
+            soup = adata.var[SOUP_COLUMN].to_numpy(dtype=float)
+        else:
+            soup = _raw_soup(s.path(s.raw_input), adata.var_names)
+        soup = soup / soup.sum()
+        corrected = soupx.subtract(matrix, codes, soup, soupx.estimate_rho(matrix, codes, soup).rho)
+    else:
+        fit = decontx.decontx(matrix, codes, np.random.default_rng(s.seed), max_iterations)
+        corrected = fit.native
+        adata.obs["ambient_contamination"] = fit.contamination.astype(np.float32)
+    if round_to_int:
+        corrected = soupx.round_to_int(corrected, np.random.default_rng(s.seed))
+    adata.layers[LAYER] = sparse.csr_matrix(corrected, dtype=np.float32)
+
+
 def rank_genes_groups(s: Plain, result: dict, groupby: str, method: str, **_: Any) -> None:
     adata = s.adata
     if adata.obs[groupby].dtype.name != "category":
         adata.obs[groupby] = adata.obs[groupby].astype(str).astype("category")
     kwargs = {"random_state": s.seed} if method == "logreg" else {}
-    sc.tl.rank_genes_groups(adata, groupby, method=method, use_raw=adata.raw is not None, **kwargs)
+    rank_singlets(adata, groupby, method=method, **kwargs)
 
 
 def annotate_clusters(
@@ -267,60 +324,66 @@ def annotate_clusters(
 ) -> None:
     adata = s.adata
     clusters = adata.obs[groupby].astype(str)
-    names = (adata.raw.var_names if adata.raw is not None else adata.var_names).astype(str)
-    species = result.get("species") or detect_species(names)["species"]
+    genes = all_genes(adata)
+    names = genes.var_names.astype(str)
+    species = result["species"]
     if markers_file is None:
-        sets = default_marker_sets(species)
+        markers = default_markers(species)
     else:
         path = s.path(markers_file)
-        sets = _parse_marker_sets(json.loads(path.read_text()), str(path))
-    usable, _ = _match_genes(sets, names)
+        markers = parse_markers(json.loads(path.read_text()), str(path))
+    undetected = (adata.uns.get("filter_genes") or {}).get("undetected_genes", [])
+    matched = match(markers, names, undetected)
     thresholds = (min_score, min_detection, top_ranked)
-    table, _ = evidence_table(adata, usable, clusters, groupby, species, s.seed, thresholds)
+    evidence_of = clusters.where(~flagged(adata))  # kept doublets give no evidence
+    table, _ = evidence_table(adata, matched, evidence_of, groupby, species, s.seed, thresholds)
+    gates, groups = None, {}
+    if matched.lineages:
+        gates = lineage_table(genes.X, names, evidence_of, matched.lineages)
+        defined = {
+            (lineage, label): members
+            for lineage, spec in matched.lineages.items()
+            for label, members in spec["groups"].items()
+        }
+        detected = _detection(adata, defined, evidence_of, at_least=1)
+        groups = {
+            lineage: detected[[k for k in defined if k[0] == lineage]].T.droplevel(0)
+            for lineage in {k[0] for k in defined}
+        }
+        passed = gates.set_index(["cluster", "lineage"])["passed"].to_dict()
+        keys = zip(table["cluster"], table["lineage"], strict=True)
+        gated = np.array([passed.get(k, False) for k in keys], bool)
+        table["qualified"] = table["evidence"] & gated
+    else:
+        table["qualified"] = table["evidence"]
     labels = {
-        c: _decide(evidence.set_index("cell_type"), thresholds)
-        for c, evidence in table.groupby("cluster", sort=False)
+        cluster: _label(
+            evidence.set_index("cell_type"),
+            None if gates is None else gates[gates["cluster"] == cluster],
+            {lineage: by_group[cluster] for lineage, by_group in groups.items()},
+            thresholds,
+        )
+        for cluster, evidence in table.groupby("cluster", sort=False)
     }
     mapping = {c: e["label"] for c, e in labels.items()}
+    mapping.update(dict.fromkeys(set(clusters) - set(mapping), UNKNOWN))  # doublets only
     ambiguous = {c: f"{e['label']}|{e['runner_up']}" for c, e in labels.items() if e["ambiguous"]}
     adata.obs[key_added] = clusters.map(mapping).astype("category")
     adata.obs[f"{key_added}_ambiguous"] = clusters.isin(list(ambiguous)).to_numpy()
-    adata.uns["annotation"] = {
-        "groupby": groupby, "key_added": key_added, "species": species, "markers": usable,
-        "cluster_labels": mapping, "ambiguous": ambiguous,
+    adata.uns["annotation"] = {  # what the dotplot and the score plot draw
+        "groupby": groupby, "key_added": key_added, "species": species,
+        "markers": matched.sets, "cluster_labels": mapping, "ambiguous": ambiguous,
+        "table": table.assign(ranked=table["ranked"].str.join(" ")),
     }  # fmt: skip
-
-
-def _dotplot(adata: Any, groupby: str) -> Any:
-    if "annotation" in adata.uns:
-        markers = {
-            n: list(g)[:GENES_PER_SET] for n, g in adata.uns["annotation"]["markers"].items()
-        }
-        dot = sc.pl.dotplot(adata, markers, groupby=groupby, show=False, return_fig=True)
-    else:
-        dot = sc.pl.rank_genes_groups_dotplot(
-            adata, n_genes=3, groupby=groupby, show=False, return_fig=True
-        )
-    dot.make_figure()
-    return dot.fig
 
 
 def plot(
     s: Plain, result: dict, kind: str, color: str | None, groupby: str, filename: str | None
 ) -> None:
-    adata, folder = s.adata, s.outdir / "plots"
+    folder = s.outdir / "plots"
     folder.mkdir(parents=True, exist_ok=True)
-    if kind == "qc_violin":
-        fig = qc_violin(s.adata, s.seed)
-    elif kind == "umap":
-        fig = sc.pl.umap(adata, color=color or groupby, show=False, return_fig=True, frameon=False)
-    elif kind == "dotplot":
-        fig = _dotplot(adata, groupby)
-    else:
-        sc.pl.pca_variance_ratio(
-            adata, n_pcs=min(50, adata.obsm["X_pca"].shape[1]), log=True, show=False
-        )
-        fig = plt.gcf()
+    # the tool's figures; they read only the data and the seed, which Plain holds as a session
+    fig = _figure(s, kind, color, groupby)
     default = f"{kind}_{color or groupby}.png" if kind == "umap" else f"{kind}.png"
     fig.savefig(folder / (filename or default), dpi=100, bbox_inches="tight")
     plt.close("all")
@@ -331,20 +394,22 @@ def finish(s: Plain, result: dict, **_: Any) -> None:
 
 
 STEPS: dict[str, Callable[..., None]] = {f.__name__: f for f in (
-    load_data, filter_cells, filter_genes, qc_metrics, filter_by_qc, detect_doublets,
+    load_data, call_cells, filter_cells, filter_genes, qc_metrics, filter_by_qc, detect_doublets,
     remove_doublets, normalize, highly_variable_genes, scale, pca, neighbors, umap, cluster_sweep,
-    leiden, rank_genes_groups, annotate_clusters, plot, finish,
+    leiden, remove_ambient, rank_genes_groups, annotate_clusters, plot, finish,
 )}  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print("usage: python bench/_plain_scanpy.py WORLD_STATE INPUT OUTDIR", file=sys.stderr)
+        print("usage: python -m bench._plain_scanpy WORLD_STATE INPUT OUTDIR", file=sys.stderr)
         return 2
     record_path, input_path, outdir = Path(argv[0]), Path(argv[1]), Path(argv[2])
     record = WorldState.load(record_path)
     outdir.mkdir(parents=True, exist_ok=True)
-    s = Plain(input_path, outdir, record_path.resolve().parent, int(record.meta.get("seed", 0)))
+    meta = record.meta
+    s = Plain(input_path, outdir, record_path.resolve().parent, int(meta.get("seed", 0)),
+              meta.get("raw_input"))  # fmt: skip
     seconds = []
     for e in record.entries:
         if e.status != "ok":

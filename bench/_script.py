@@ -25,13 +25,14 @@ from typing import Any
 import orjson
 
 from agent.context import ContextManager
-from agent.layout import SampleLayout
 from agent.loop import run_loop
 from agent.policies.base import Decision, Policy, ToolCall
 from agent.prompts import BRIEF, SYSTEM_PROMPT
+from agent.record.layout import SampleLayout
+from agent.record.world_state import Entry, WorldState
 from agent.registry import Outcome, ToolRegistry
+from agent.testing.null_session import NullSession
 from agent.tools import TOOLS
-from agent.world_state import Entry, WorldState
 
 RECORD_SAMPLE = "pbmc2"  # the demo cohort's smallest sample: its reference run takes about a minute
 EXPLORE_FROM = "cluster_sweep"  # past the recipe, the script revisits the steps from here on
@@ -145,16 +146,6 @@ class ScriptedRegistry(ToolRegistry):
         return Outcome(
             e.tool, e.params, e.status, e.result, e.error, e.seconds, e.rejected_arguments
         )
-
-
-class NullSession:
-    """No data: the recorded results stand for them."""
-
-    def digest(self) -> None:
-        return None
-
-    def after_step(self, step: int, tool: str, spec: object) -> None:
-        return None
 
 
 @dataclass

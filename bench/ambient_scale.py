@@ -19,21 +19,18 @@ filtered), normalised, with the planted cell types standing in for the Leiden cl
 tool reads only the clusters; the recipe before it is not what is timed); one remove_ambient
 call per method through the registry, seed 0.
 
-    python bench/ambient_scale.py [--sizes 2000 10000 30000] [--quick]
+    python -m bench.ambient_scale [--sizes 2000 10000 30000] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import _report
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import _report
 
 SYNTHETIC_LOADS = (0.05, 0.1, 0.2)
 REAL_LOADS = (("pbmc68k_reduced", 0.05), ("pbmc68k_reduced", 0.15),
@@ -41,7 +38,7 @@ REAL_LOADS = (("pbmc68k_reduced", 0.05), ("pbmc68k_reduced", 0.15),
 
 
 def _estimate(session: Any, method: str) -> tuple[float | None, str, float]:
-    from tests.fixtures_data import call_tool
+    from agent.testing.reference_run import call_tool
 
     started = time.perf_counter()
     outcome = call_tool(session, "remove_ambient", method=method)
@@ -56,7 +53,7 @@ def _synthetic_error(load: float, folder: Path) -> dict[str, Any]:
     import numpy as np
 
     from agent.data.synthetic import SampleSpec, load_truth, write_sample
-    from tests.fixtures_data import run_reference
+    from agent.testing.reference_run import run_reference
 
     spec = SampleSpec(f"amb{load}", 3000, seed=21, format="h5ad", ambient_fraction=load)
     path = write_sample(spec, folder / spec.name)
@@ -76,7 +73,7 @@ def _synthetic_error(load: float, folder: Path) -> dict[str, Any]:
 def _real_error(name: str, soup: float, folder: Path) -> dict[str, Any] | None:
     from agent.data.real import REAL_SETS, shipped_file
     from agent.testing.droplets import Droplets, unfiltered
-    from tests.fixtures_data import run_reference
+    from agent.testing.reference_run import run_reference
 
     real = REAL_SETS[name]
     source = shipped_file(real)

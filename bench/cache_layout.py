@@ -31,7 +31,7 @@ seconds (vllm:request_prefill_time_seconds), the agent's request seconds, the cu
 they re-prefilled (the context manager's estimate). Goal (issue 16): the new layout serves at
 least 97% at 32K and 93% at 16K from cache.
 
-    python bench/cache_layout.py [--iterations 80] [--contexts 32768,16384] [--long 200]
+    python -m bench.cache_layout [--iterations 80] [--contexts 32768,16384] [--long 200]
 """
 
 from __future__ import annotations
@@ -43,14 +43,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import _report
-import _script
-import _server
-
 from agent.context import ContextManager, Message
 from agent.policies.base import Decision, Policy
 from agent.policies.llm import LLMPolicy
 from agent.registry import Outcome
+from bench import _report, _script, _server
 
 GOALS = {32768: 0.97, 16384: 0.93}
 PREFILL_SECONDS = "request_prefill_time_seconds"  # a histogram: its "sum"

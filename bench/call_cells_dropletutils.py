@@ -13,7 +13,7 @@ many of them are the planted real cells; the Jaccard index of the two called set
 barcodes call_cells kept (share of what it kept); the barcodes above the inflection it left
 uncalled; the seconds of each (DropletUtils' without R's start-up).
 
-    python bench/call_cells_dropletutils.py [--quick]
+    python -m bench.call_cells_dropletutils [--quick]
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _report
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import _report
 
 
 def main() -> None:

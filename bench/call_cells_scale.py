@@ -8,7 +8,7 @@ the loaded data; reported: its seconds (wall and CPU: on a shared machine the CP
 more), the decision, the knee, the Monte-Carlo iterations it needed, the cells kept of those
 planted, and the empty or debris barcodes kept.
 
-    python bench/call_cells_scale.py [--barcodes 100000] [--cells 5000] [--debris 5000]
+    python -m bench.call_cells_scale [--barcodes 100000] [--cells 5000] [--debris 5000]
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _report
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import _report
 
 
 def _matrix(barcodes: int, cells: int, debris: int, seed: int = 0) -> object:

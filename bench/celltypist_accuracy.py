@@ -2,9 +2,9 @@
 
 No second labelled real set ships in the installed packages, so a CellTypist model is trained on
 a seeded random half of scanpy's pbmc68k_reduced (the counts rebuilt from its .raw, published
-Zheng 2017 bulk-profile labels) exactly as tests/test_tools_celltypist.py trains it, and the other
-half is analysed from its raw counts by the reference recipe with the model as the run option:
-the marker labels (annotate_clusters, kept as 'cell_type_markers') and the model's (per cell, and
+Zheng 2017 bulk-profile labels) exactly as tests/test_tools_celltypist.py trains it
+(agent/testing/celltypist_model.py), and the other half is analysed from its raw counts by the
+reference recipe with the model as the run option: the marker labels (annotate_clusters, kept as 'cell_type_markers') and the model's (per cell, and
 voted per Leiden cluster) land on the same cells, those the recipe kept.
 
 Reported: accuracy against the published labels, overall and per published type: the model per
@@ -12,7 +12,7 @@ cell and voted (its labels are the published vocabulary), and all three at the l
 (LINEAGE below), the only level at which the marker sets' names can be compared with the
 published ones; a marker label of no lineage there counts as wrong and is listed.
 
-    python bench/celltypist_accuracy.py [--split-seed 0]
+    python -m bench.celltypist_accuracy [--split-seed 0]
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _report
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import _report
 
 # Lineage of each published label and of each marker set's name: the claim that makes the two
 # vocabularies comparable (Zheng 2017's T subsets all T; the marker sets' monocyte and macrophage
@@ -51,20 +49,25 @@ def main() -> None:
     import numpy as np
     import pandas as pd
 
-    from tests import test_tools_celltypist as t
-    from tests.fixtures_data import run_reference
-    from tests.fixtures_realdata import last_ok
+    from agent.data.real import REAL_SETS, shipped_file
+    from agent.testing.celltypist_model import train_model, training_half
+    from agent.testing.reference_run import run_reference
 
+    real = REAL_SETS["pbmc68k_reduced"]
+    source = shipped_file(real)
+    if source is None:
+        sys.exit(f"{real.file} of {real.package} is not installed")
     _report.header("Reference annotation (CellTypist model) vs marker sets on held-out real cells")
-    counts, labels, train = t.pbmc_halves(args.split_seed)
+    counts, labels = real.read(source)
+    train = training_half(counts.n_obs, args.split_seed)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = t.train_model(counts[train], labels[train], root / "pbmc_half.pkl")
+        model = train_model(counts[train], labels[train], root / "pbmc_half.pkl")
         held_out = root / "held_out.h5ad"
         counts[~train].copy().write_h5ad(held_out)
         session, world = run_reference(held_out, root / "out", celltypist_model=model)
         final = ad.read_h5ad(session.layout.final)
-    steps = {tool: last_ok(world, tool) for tool in ("annotate_clusters", "annotate_celltypist")}
+    steps = {tool: world.last_ok(tool) for tool in ("annotate_clusters", "annotate_celltypist")}
     obs = final.obs
     truth = labels.loc[obs.index].astype(str)
     arms = {

@@ -9,7 +9,7 @@ reference analysis of the demo sample pbmc2 made first (about 30 s) unless `--sa
 gives a finished one. Each step runs as a child process, as the workflow's job does (`agent de
 --threads`, default 2); its peak memory is the child's own ru_maxrss (os.wait4).
 
-    python bench/cohort_conditions.py [--sizes 10 100] [--threads 2] [--sample-dir DIR]
+    python -m bench.cohort_conditions [--sizes 10 100] [--threads 2] [--sample-dir DIR]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._report import header, load_line, table
 from bench.cohort_integration import demo_sample
 

@@ -10,7 +10,7 @@ libraries (BLAS, harmonypy's C++, numba) that tracemalloc does not see. A size w
 extrapolated per cell from the size before, would not fit in the memory available now is
 skipped with that figure, so the benchmark never drives a shared machine out of memory.
 
-    python bench/cohort_integration.py [--sizes 10 100 400] [--method harmony] [--sample-dir DIR]
+    python -m bench.cohort_integration [--sizes 10 100 400] [--method harmony] [--sample-dir DIR]
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._report import header, load_line, table
 
 HEADROOM = 0.8  # share of the available memory a size may be projected to use

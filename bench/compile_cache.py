@@ -14,7 +14,7 @@ keeps Inductor's and Triton's caches). Three starts on CPU, torch.compile on (no
 Reported: seconds from launching `python -m agent serve` to its endpoint file (the server
 answers), and what vLLM logged about compiling.
 
-    python bench/compile_cache.py [--model DIR] [--workdir DIR]
+    python -m bench.compile_cache [--model DIR] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _report
-import _server
+from bench import _report, _server
 
 # vLLM's own log lines (vllm/v1/engine/core.py, vllm/compilation/decorators.py and backends.py)
 ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")

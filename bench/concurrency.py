@@ -14,7 +14,7 @@ unless --steps says otherwise. Two kinds of agent are measured, in the same run:
 The prefix cache is emptied before each level; the instructions and tool schemas the agents
 share are then cached once for all of them, as on a real shared server.
 
-    python bench/concurrency.py [--agents 1 2 4] [--tool-time both|none|recorded] [--model DIR]
+    python -m bench.concurrency [--agents 1 2 4] [--tool-time both|none|recorded] [--model DIR]
 """
 
 from __future__ import annotations
@@ -27,11 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import _report
-import _script
-import _server
-
-from agent.world_state import Entry
+from agent.record.world_state import Entry
+from bench import _report, _script, _server
 
 MODES = {"none": False, "recorded": True}
 

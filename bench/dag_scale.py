@@ -11,7 +11,7 @@ What is timed is what a user runs, `snakemake -n` (the job list printed; `--quie
 differ by little). The 10,000-sample arm runs once per mode (about half a minute each); the
 smaller ones `--repeats` times.
 
-    python bench/dag_scale.py [--sizes 100 1000 10000] [--repeats 3] [--quiet rules]
+    python -m bench.dag_scale [--sizes 100 1000 10000] [--repeats 3] [--quiet rules]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Reported per arm: seconds of the doublet call, peak resident memory during the c
 process's peak reset after loading) and its increase over the loaded data, the threshold(s), and
 recall and precision of the called doublets against the planted ones.
 
-    python bench/doublets_scale.py [--cells 10000 50000] [--whole]
+    python -m bench.doublets_scale [--cells 10000 50000] [--whole]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import _report
+from bench import _report
 
 ARMS = ("whole", "batched")
 
@@ -163,7 +163,7 @@ def run_arm(arm: str, path: Path) -> list[dict[str, Any]]:
 
 def measure(arm: str, path: Path) -> list[dict[str, Any]]:
     """Run one arm in a fresh process (its own peak memory) and return its rows."""
-    argv = [sys.executable, __file__, "--arm", arm, "--data", str(path)]
+    argv = [sys.executable, "-m", "bench.doublets_scale", "--arm", arm, "--data", str(path)]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"arm {arm} failed:\n{done.stderr[-2000:]}")

@@ -7,7 +7,7 @@ walking the reference analyses, re-creating each prompt, executing and judging e
 the end-to-end analyses), and on a GPU the rest is the model's. Goal (issue 38): under 15
 minutes here for every case.
 
-    python bench/eval_cost.py [--cases all] [--end-to-end synthetic_pbmc,pbmc68k_reduced]
+    python -m bench.eval_cost [--cases all] [--end-to-end synthetic_pbmc,pbmc68k_reduced]
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import _report
-
 from agent.cli import main as agent
 from agent.eval.cases import CASES
 from agent.eval.points import read
 from agent.testing.scripted_server import ScriptedServer
+from bench import _report
 
 GOAL_S = 15 * 60
 

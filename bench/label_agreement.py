@@ -13,19 +13,16 @@ Printed per published type: its cells, the share labelled in its lineage (a type
 group such as 'CD8 T', or the lineage's own name), and the labels they got; per unlabelled set,
 each cluster's label, lineage, the share of its cells detecting CD3, and the flags.
 
-    python bench/label_agreement.py
+    python -m bench.label_agreement
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import _report
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import _report
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ every save did before (the file's fsync is inline in all arms). The tool
 time it is compared with is the mean call of a real reference analysis of a demo sample
 (``--tool-seconds`` gives it instead).
 
-    python bench/loop_overhead.py [--steps 600] [--max-result-kb 200] [--tool-ms 50]
+    python -m bench.loop_overhead [--steps 600] [--max-result-kb 200] [--tool-ms 50]
 """
 
 from __future__ import annotations
@@ -34,33 +34,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
-import _report
 import orjson
 from pydantic import Field
 
 from agent.context import ContextManager
-from agent.durable import RecordWriter
-from agent.layout import SampleLayout
 from agent.loop import run_loop
 from agent.policies.base import Decision, ToolCall
+from agent.record.durable import RecordWriter
+from agent.record.layout import SampleLayout
+from agent.record.world_state import WorldState
 from agent.registry import ToolRegistry, tool
-from agent.world_state import WorldState
+from agent.testing.null_session import NullSession
+from bench import _report
 
 GOAL = 0.01  # of the mean tool call
 MARKS = (50, 120, 300, 600)
 WINDOW = 10  # steps averaged at each mark
 TOOL_SECONDS = 0.05  # set by --tool-ms
-
-
-class NullSession:
-    def __init__(self):
-        self.done: set[str] = set()
-
-    def digest(self) -> str:
-        return "0" * 32
-
-    def after_step(self, step: int, tool: str, spec: object) -> None:
-        return None
 
 
 @tool("markers", mutates=False)

@@ -7,7 +7,7 @@ empties the prefix cache, streams one request (cold: the whole prefix is prefill
 the identical request again (warm: served from the cache). Reported: median time to the first
 streamed token of each, their ratio, and the reference figures of issue 8 beside them.
 
-    python bench/prefix_cold_warm.py [--max-model-len 32768] [--repeats 3] [--model DIR]
+    python -m bench.prefix_cold_warm [--max-model-len 32768] [--repeats 3] [--model DIR]
 """
 
 from __future__ import annotations
@@ -20,15 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _report
-import _script
-import _server
 import openai
 import orjson
 
 from agent.endpoint import http_json, root_url
 from agent.prompts import BRIEF, SYSTEM_PROMPT
-from agent.world_state import WorldState
+from agent.record.world_state import WorldState
+from bench import _report, _script, _server
 
 # issue 8: a 36K-token agent prefix, cold and warm, on data-centre GPUs
 REFERENCE = (("A100 (issue 8)", 36_000, 11_470, 706), ("H100 (issue 8)", 36_000, 2_655, 249))

@@ -5,7 +5,7 @@ names, a few numbers changed, final AnnData and plots hard-linked), so the figur
 report, not 1,000 analyses. The sample is a reference-policy run of the demo sample pbmc2, made
 first (about 30 s) unless `--sample-dir DIR` gives a finished sample folder (with replay.json).
 
-    python bench/report_scale.py [--sizes 100 1000] [--sample-dir DIR]
+    python -m bench.report_scale [--sizes 100 1000] [--sample-dir DIR]
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._report import header, load_line, table
 
 
@@ -56,7 +55,7 @@ def main() -> int:
     header("Cohort report at scale")
     # imported before timing: the tools' import compiles numba kernels once per process
     import agent.report.cohort  # noqa: F401
-    from agent.report import build_report
+    from agent.report.build import build_report
     from agent.testing.cohort_copies import copy_cohort
 
     rows = []

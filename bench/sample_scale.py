@@ -14,7 +14,7 @@ cluster_sweep as the record has them, clusters, and the scores of the final obje
 planted truth (ARI of the clusters on kept singlets, share of planted doublets and damaged cells
 removed).
 
-    python bench/sample_scale.py [--cells 50000] [--before REF]
+    python -m bench.sample_scale [--cells 50000] [--before REF]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _report
+from bench import _report
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE_ISSUE_15 = "3049457"  # main just before the issue-15 changes
@@ -59,7 +59,7 @@ def run_arm(code: Path, data: Path, outdir: Path) -> dict:
 def scores(outdir: Path, truth_file: Path) -> dict:
     import anndata as ad
 
-    from agent.report.truth import read_truth, score
+    from agent.record.truth import read_truth, score
 
     obs = ad.read_h5ad(outdir / "adata.h5ad", backed="r").obs
     return score(obs, read_truth(truth_file))

@@ -11,7 +11,7 @@ Slurm time limit on a large sample does. Two arms, the same trials:
             every tool: whether the run ends Interrupted (the call not recorded) or the stop
             becomes a recorded tool error (issue 41's fault).
 
-    python bench/signal_in_numba.py [--trials 300]
+    python -m bench.signal_in_numba [--trials 300]
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import threading
 from collections import Counter
 from typing import Any
 
-import _report
 import scipy.sparse as sp
 from scanpy.preprocessing._utils import sparse_mean_variance_axis
 
 from agent import signals
 from agent.registry import ToolRegistry, tool
+from bench import _report
 
 MATRIX = sp.random(20000, 3000, density=0.1, format="csr", random_state=0, dtype="float32")
 

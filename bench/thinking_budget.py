@@ -17,7 +17,7 @@ model's does, somewhere), and after the thought a structured-outputs regex makes
 thinking at max_tokens; the figures are the server's own (vLLM per-request metrics: decode
 seconds from the first token to the last) and the step's wall seconds.
 
-    python bench/thinking_budget.py [--budget 64] [--max-tokens 512] [--steps 5]
+    python -m bench.thinking_budget [--budget 64] [--max-tokens 512] [--steps 5]
 """
 
 from __future__ import annotations
@@ -31,17 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared helpers
-
-import _report
-import _script
-import _server
-
 from agent.policies.llm import LLMPolicy
 from agent.prompts import BRIEF
+from agent.record.world_state import WorldState
 from agent.testing.forced import CALLS, literal
 from agent.testing.tiny_model import FAMILIES, TEMPLATES
-from agent.world_state import WorldState
+from bench import _report, _script, _server
 
 FAMILY = "qwen3.5"  # its generation prompt opens the thought, as Qwen3.6's does
 TEMPLATE = TEMPLATES / FAMILIES[FAMILY].template

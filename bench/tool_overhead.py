@@ -18,7 +18,7 @@ Default sizes are 5,000 and 20,000 cells (about 5 minutes on two cores): 100,000
 (``--sizes 5000 20000 100000``) takes about 20 minutes per arm there and 7.6 GiB of memory, beyond
 a routine run.
 
-    python bench/tool_overhead.py [--sizes 5000 20000]
+    python -m bench.tool_overhead [--sizes 5000 20000]
 """
 
 from __future__ import annotations
@@ -33,13 +33,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import _report
-from _plain_scanpy import TIMINGS_FILE
-
-from agent.layout import SampleLayout
-from agent.world_state import WorldState
-
-HERE = Path(__file__).resolve().parent
+from agent.record.layout import SampleLayout
+from agent.record.world_state import WorldState
+from bench import _report
+from bench._plain_scanpy import TIMINGS_FILE
 
 
 @dataclass
@@ -100,7 +97,7 @@ def compare(cells: int, folder: Path) -> list[list[str]]:
     )  # fmt: skip
     record = SampleLayout(tools_out).record
     plain = measure(
-        [sys.executable, str(HERE / "_plain_scanpy.py"), str(record), str(data), str(plain_out)],
+        [sys.executable, "-m", "bench._plain_scanpy", str(record), str(data), str(plain_out)],
         folder / "plain.log",
     )
     world = WorldState.load(record)

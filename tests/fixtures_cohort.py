@@ -25,8 +25,8 @@ import pytest
 from scipy import sparse
 
 from agent.cohort.integrate import InputRecord
-from agent.data.real import REAL_SETS, shipped_file
-from agent.provenance import file_sha256
+from agent.record.provenance import file_sha256
+from tests.fixtures_realdata import shipped_or_skip
 
 CONTROL, TREATED = "control", "treated"
 SAMPLES = {"c1": CONTROL, "c2": CONTROL, "c3": CONTROL, "t1": TREATED, "t2": TREATED, "t3": TREATED}
@@ -55,11 +55,7 @@ def split_cells(labels: pd.Series, seed: int = 40) -> np.ndarray:
 
 @pytest.fixture(scope="session")
 def real_cohort(tmp_path_factory: pytest.TempPathFactory) -> RealCohort:
-    real = REAL_SETS["pbmc68k_reduced"]
-    source = shipped_file(real)
-    if source is None:
-        pytest.skip(f"{real.file} of {real.package} is not installed (pip install -e '.[test]')")
-    adata, labels = real.read(source)
+    adata, labels = shipped_or_skip("pbmc68k_reduced")
     counts = adata.X.toarray()
     rng = np.random.default_rng(41)
     mono = (labels == PLANTED_TYPE).to_numpy()

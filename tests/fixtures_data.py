@@ -1,8 +1,9 @@
-"""Synthetic samples, sessions at any stage of the reference recipe, and a loop-free runner.
+"""Synthetic samples and sessions at any stage of the reference recipe.
 
-``run_reference`` (agent/testing/reference_run.py, which the benchmarks share) drives the
-registry with the ReferencePolicy in a plain for-loop (what the agent loop does, minus prompts
-and budgets), so tool and policy tests do not depend on it.
+The loop-free runner and the single tool call that the tests use are those of
+agent/testing/reference_run.py, which the benchmarks share (``run_reference`` drives the registry
+with the ReferencePolicy in a plain for-loop: what the agent loop does, minus prompts and budgets,
+so tool and policy tests do not depend on it).
 """
 
 from __future__ import annotations
@@ -15,22 +16,13 @@ import pytest
 
 from agent.data.synthetic import DEMO_COHORT, SampleSpec, truth_path, write_sample
 from agent.policies.reference import ReferencePolicy
-from agent.registry import Outcome
-from agent.report.truth import read_truth, score
-from agent.testing.reference_run import run_reference as run_reference  # re-exported
-from agent.tools import build_registry
+from agent.record.truth import read_truth, score
+from agent.record.world_state import Entry, WorldState
+from agent.testing.reference_run import REGISTRY
 from agent.tools.session import Session
-from agent.world_state import Entry, WorldState
-
-REGISTRY = build_registry()
 
 # Small enough for seconds per tool, big enough for every step (scrublet needs 100+ cells).
 SMALL = SampleSpec("small", 800, seed=7, format="h5ad", damaged_fraction=0.1, doublet_fraction=0.05)
-
-
-def call_tool(session: Session, tool: str, **args: Any) -> Outcome:
-    """One tool call through the registry, as the loop makes it."""
-    return REGISTRY.call(tool, args, session)
 
 
 def recovery(session: Session, input_path: str | Path, key: str = "leiden") -> dict[str, Any]:

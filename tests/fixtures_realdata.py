@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anndata as ad
+import pandas as pd
 import pytest
 
 from agent.data.real import (
@@ -22,15 +24,28 @@ from agent.data.real import (
     write_real,
     write_truth,
 )
-from agent.world_state import WorldState
-from tests.fixtures_data import run_reference
+from agent.testing.reference_run import run_reference
 
 __all__ = [
-    "INSTALL_HINT", "PUBLISHED_FLOORS", "PUBLISHED_TYPES", "REAL_SETS", "RealSet", "last_ok",
-    "per_type_agreement", "real_input", "real_run", "shipped_file", "write_truth",
+    "INSTALL_HINT", "PUBLISHED_FLOORS", "PUBLISHED_TYPES", "REAL_SETS", "RealSet",
+    "per_type_agreement", "real_input", "real_run", "shipped_file", "shipped_or_skip", "write_truth",
 ]  # fmt: skip
 
 INSTALL_HINT = "pip install -e '.[test]' and bash tests/realdata/install.sh"
+
+
+def _not_installed(real: RealSet) -> str:
+    return f"{real.name}: {real.file} of {real.package} not installed ({INSTALL_HINT})"
+
+
+def shipped_or_skip(name: str) -> tuple[ad.AnnData, pd.Series | None]:
+    """The shipped set ``name`` as raw counts with its published labels (None where it has
+    none); the test skipped, naming what installs it, where its package is not installed."""
+    real = REAL_SETS[name]
+    source = shipped_file(real)
+    if source is None:
+        pytest.skip(_not_installed(real))
+    return real.read(source)
 
 
 @pytest.fixture(scope="session", params=sorted(REAL_SETS))
@@ -39,7 +54,7 @@ def real_input(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     real = REAL_SETS[request.param]
     path = write_real(real, tmp_path_factory.mktemp(real.name))
     if path is None:
-        pytest.skip(f"{real.name}: {real.file} of {real.package} not installed ({INSTALL_HINT})")
+        pytest.skip(_not_installed(real))
     return path
 
 
@@ -48,11 +63,6 @@ def real_run(real_input: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     """The reference analysis of one shipped set, run once per session."""
     session, world = run_reference(real_input, tmp_path_factory.mktemp(f"{real_input.stem}_run"))
     return {"name": real_input.stem, "input": real_input, "session": session, "world": world}
-
-
-def last_ok(world: WorldState, tool: str) -> Any:
-    """The latest successful entry of ``tool``, or None."""
-    return next((e for e in reversed(world.entries) if e.tool == tool and e.status == "ok"), None)
 
 
 # Floors of the share of a published type labelled as it, below those measured 2026-12 (shipped

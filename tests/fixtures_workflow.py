@@ -206,7 +206,7 @@ class StandinHub:
 
 def recorded_calls(folder: Path) -> dict[str, list[dict[str, str]]]:
     """{sample: [{"tool", "arguments"}, ...]} from the world states of a recorded cohort run."""
-    from agent.world_state import WorldState
+    from agent.record.world_state import WorldState
 
     calls = {}
     for path in sorted(folder.glob("*/world_state.json")):

@@ -11,16 +11,17 @@ from pydantic import Field
 
 from agent.config import RunConfig
 from agent.context import ContextManager
-from agent.durable import read_appended_rows
-from agent.layout import SampleLayout
 from agent.loop import run_loop
 from agent.policies.base import Decision, PromptTooLong, ToolCall
 from agent.policies.llm import LLMPolicy
+from agent.record.durable import read_appended_rows
+from agent.record.layout import SampleLayout
+from agent.record.world_state import WorldState
 from agent.registry import ToolRegistry, tool
-from agent.report import build_report
+from agent.report.build import build_report
 from agent.runner import run_sample
 from agent.serve.metrics import metrics_path
-from agent.world_state import WorldState
+from agent.testing.null_session import NullSession
 from tests.fixtures_vllm import METRICS_INTERVAL_S
 
 pytestmark = pytest.mark.vllm
@@ -80,17 +81,6 @@ def finish(session: object, summary: Annotated[str, Field(max_length=20)] = "") 
     return {"done": True}
 
 
-class Session:
-    def __init__(self):
-        self.done: set[str] = set()
-
-    def digest(self) -> str:
-        return "same"
-
-    def after_step(self, step: int, tool: str, spec: object) -> None:
-        return None
-
-
 class ScriptedCalls(LLMPolicy):
     """Sends every prompt to the real server (which counts it and refuses one that is too long)
     but runs a fixed call, since a random-weight model rarely emits a usable one (seen here:
@@ -134,7 +124,7 @@ def test_long_session_survives_a_small_context(vllm_server, tmp_path):
     status = run_loop(
         policy,
         registry,
-        Session(),
+        NullSession(),
         world,
         ctx,
         SampleLayout(tmp_path),

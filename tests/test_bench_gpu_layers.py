@@ -1,20 +1,13 @@
 """bench/gpu/layers.py on CPU, so that the GPU script cannot rot: one layer's figures measured
 against the session's vLLM server, the ladder's skips where a CPU has no such layer."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path[:0] = [str(BENCH), str(BENCH / "gpu")]
-
-import _script  # noqa: E402
-import layers  # noqa: E402
-
-from agent.serve.flags import select_flags  # noqa: E402
-from agent.serve.gpu import resolve  # noqa: E402
-from agent.world_state import WorldState  # noqa: E402
+from agent.record.world_state import WorldState
+from agent.serve.flags import select_flags
+from agent.serve.gpu import resolve
+from bench import _script
+from bench.gpu import layers
 
 STEPS = 3
 

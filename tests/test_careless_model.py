@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from agent.cli import main
-from agent.layout import SampleLayout
+from agent.record.layout import SampleLayout
+from agent.record.world_state import WorldState
 from agent.testing.scripted_server import ScriptedServer
-from agent.world_state import WorldState
 
 MAX_CONTEXT = 200_000  # the tool schemas alone exceed the stand-in's default 8K tokens
 

@@ -21,11 +21,11 @@ import pytest
 from scipy import sparse
 
 from agent.testing.droplets import ORACLE_CASES, dropletutils, is_cell, rscript
+from agent.testing.reference_run import call_tool as call
 from agent.tools.cells import LOST_WARN_SHARE
 from agent.tools.emptydrops import good_turing_proportions
 from agent.tools.session import Session
-from tests.fixtures_data import call_tool as call
-from tests.fixtures_realdata import INSTALL_HINT, REAL_SETS, shipped_file
+from tests.fixtures_realdata import INSTALL_HINT, shipped_or_skip
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +38,8 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
     folder = tmp_path_factory.mktemp("oracle")
     runs, inputs, cells = {}, {}, {}
     for name, case in ORACLE_CASES.items():
-        real = REAL_SETS[case.real_set]
-        source = shipped_file(real)
-        if source is None:
-            pytest.skip(f"{real.file} of {real.package} is not installed ({INSTALL_HINT})")
         if case.real_set not in cells:  # CellTypist's table takes seconds to read
-            cells[case.real_set] = real.read(source)[0]
+            cells[case.real_set] = shipped_or_skip(case.real_set)[0]
         path = folder / f"{name}.h5ad"
         case.build(cells[case.real_set]).write_h5ad(path)
         session = Session(folder / name, input_path=path)

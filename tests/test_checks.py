@@ -31,10 +31,8 @@ def test_every_stage_is_reached_by_a_declared_tool():
 
 def test_the_record_schema_holds_the_check_model_and_its_rules():
     assert SCHEMA["$defs"]["Check"] == checks.schema()
-    assert SCHEMA["properties"]["meta"]["properties"]["checks"]["items"] == {
-        "$ref": "#/$defs/Check"
-    }
-    assert "partial" in SCHEMA["properties"]["meta"]["properties"]["status"]["enum"]
+    assert SCHEMA["$defs"]["RunMeta"]["properties"]["checks"]["items"] == {"$ref": "#/$defs/Check"}
+    assert "partial" in SCHEMA["$defs"]["RunMeta"]["properties"]["status"]["enum"]
     assert set(checks.RULES) == set(checks.schema()["properties"]["rule"]["enum"])
 
 
@@ -163,9 +161,9 @@ def test_a_checkpoint_from_before_stages_were_kept_gets_them_from_the_record(sma
     """Resuming from a checkpoint whose sidecar names no stages: the record's steps up to it give
     the stages the data had reached, as the run itself had them."""
     from agent.resume import catch_up
+    from agent.testing.reference_run import run_reference
     from agent.tools import build_registry
     from agent.tools.session import Session
-    from tests.fixtures_data import run_reference
 
     session, world = run_reference(small_input, tmp_path, stop_after="neighbors")
     for sidecar in session.layout.checkpoints.glob("step_*.json"):

@@ -16,7 +16,7 @@ import pytest
 
 from agent.cohort.compare import compare, newest_previous
 from agent.data.synthetic import SampleSpec, write_sample
-from agent.provenance import file_sha256
+from agent.record.provenance import file_sha256
 
 CELLS = 300  # scrublet needs 100+ cells after QC
 
@@ -101,7 +101,7 @@ def test_two_folders_name_the_changed_sample_and_setting(cohort: Cohort, tmp_pat
 
 
 def test_one_folder_compares_with_previous_and_the_report_links_it(cohort: Cohort, tmp_path: Path):
-    from agent.report import build_report
+    from agent.report.build import build_report
 
     rows = {r["sample"]: r for r in compare(cohort.new, None, tmp_path / "comparison")}
     s2 = rows["s2"]

@@ -110,7 +110,7 @@ def test_pydeseq2_agrees_with_deseq2(tested: tuple, real_cohort: RealCohort, tmp
 def test_the_report_shows_and_the_crate_records_composition_and_de(
     tested: tuple, real_cohort: RealCohort, demo_run, tmp_path: Path
 ):
-    from agent.report import build_report
+    from agent.report.build import build_report
 
     summary, de_dir = tested
     composition_dir = tmp_path / "composition"

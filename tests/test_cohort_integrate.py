@@ -14,7 +14,7 @@ import pytest
 from scipy import sparse
 
 from agent.cohort.integrate import SAMPLE_LABEL, Options, finished_inputs, integrate
-from agent.layout import SampleLayout
+from agent.record.layout import SampleLayout
 from agent.testing.cohort_copies import finished_copy
 from tests.fixtures_report import DemoRun
 from tests.fixtures_workflow import WorkflowDir
@@ -94,7 +94,7 @@ def test_the_object_names_its_samples_method_and_inputs(integrated: dict, batche
     assert record["method"] == "harmony" and record["library"] == "harmonypy"
     assert record["library_version"] == summary["library_version"] != ""
     assert set(record["inputs"]) == {"a", "b"}
-    from agent.provenance import file_sha256
+    from agent.record.provenance import file_sha256
 
     assert record["inputs"]["a"]["world_state_sha256"] == file_sha256(batches[0])
     saved = orjson.loads((outdir / "integration.json").read_bytes())
@@ -147,7 +147,7 @@ def test_one_finished_sample_is_not_integrated_and_the_report_says_so(
     assert summary["integrated"] is False and [i["sample"] for i in summary["inputs"]] == ["a"]
     assert summary["left_out"] == {"c": "run status step_limit"}
     assert [p.name for p in outdir.rglob("*")] == ["integration.json"]
-    from agent.report import build_report
+    from agent.report.build import build_report
 
     build_report([demo_run.world_state], [], tmp_path / "report", cohort_dir=outdir)
     index = (tmp_path / "report" / "index.html").read_text()
@@ -164,7 +164,7 @@ def test_one_finished_sample_is_not_integrated_and_the_report_says_so(
 def test_the_report_and_crate_show_the_integration(
     integrated: dict, demo_run: DemoRun, tmp_path: Path
 ):
-    from agent.report import build_report
+    from agent.report.build import build_report
 
     outdir = integrated["harmony"][1]
     build_report([demo_run.world_state], [], tmp_path, cohort_dir=outdir)

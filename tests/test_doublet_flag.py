@@ -14,9 +14,9 @@ import scanpy as sc
 
 from agent.data.synthetic import SampleSpec, write_sample
 from agent.policies.reference import RECIPE, _option_holds
+from agent.record.collect import Sample
 from agent.report.cohort import doublets_said, row
-from agent.report.collect import Sample
-from tests.fixtures_data import call_tool, run_reference
+from agent.testing.reference_run import call_tool, run_reference
 
 # doublets planted among a few cells: Scrublet flags some, and they are checked below
 SPEC = SampleSpec("flagged", 800, seed=9, format="h5ad", doublet_fraction=0.1)

@@ -72,7 +72,9 @@ def test_a_careless_model_fails_exactly_the_decisions_it_gets_wrong(tmp_path):
     wrong = {v["point"] for v in doc["points"] if not v["acceptable"]}
     assert wrong == planted
     assert doc["points_acceptable"] == pytest.approx(1 - len(planted) / len(points), abs=1e-4)
-    assert doc["score"] == pytest.approx(sum(doc["by_kind"].values()) / len(doc["by_kind"]), abs=1e-4)
+    assert doc["score"] == pytest.approx(
+        sum(doc["by_kind"].values()) / len(doc["by_kind"]), abs=1e-4
+    )
     for kind in ("unfiltered", "qc_thresholds", "hvg", "pcs", "resolution", "annotation"):
         assert doc["by_kind"][kind] < 1, kind
     why = {v["point"]: v["why"] for v in doc["points"]}

@@ -14,20 +14,20 @@ import pytest
 from agent.config import RunConfig
 from agent.context import ContextManager, TokenCounter, tokenizer_estimate
 from agent.data.synthetic import SampleSpec, write_sample
-from agent.layout import SampleLayout
 from agent.loop import run_loop
 from agent.policies import make_policy
 from agent.prompts import BRIEF, SYSTEM_PROMPT
+from agent.record.layout import SampleLayout
+from agent.record.world_state import WorldState
 from agent.serve import gpu as gpus
 from agent.serve.flags import select_flags
 from agent.serve.kvplan import VLLM_TOLERANCE
 from agent.serve.model_config import load_model_config
 from agent.testing.forced import THOUGHTS, ForcedPolicy
+from agent.testing.reference_run import run_reference
 from agent.testing.tiny_model import blank_ids, marker_ids
 from agent.tools import build_registry
 from agent.tools.session import Session
-from agent.world_state import WorldState
-from tests.fixtures_data import run_reference
 from tests.fixtures_vllm import FAMILY_MODEL_LEN, reported_concurrency
 
 pytestmark = pytest.mark.vllm

@@ -5,7 +5,7 @@ results and data digests, step for step.
 
 The agents here run ``python -m tests.fault_agent``: the real ``agent run --policy llm`` (every
 request goes to the server and meets its faults) with the reference policy's tool calls, so that
-a whole analysis runs. The README's table of faults lists these tests.
+a whole analysis runs. docs/operations.md's table of faults lists these tests.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from agent.durable import Unsupported
-from agent.integrity import check_record, unchained
-from agent.layout import SampleLayout
-from agent.lock import FolderLock
+from agent.record.durable import Unsupported
+from agent.record.integrity import check_record, unchained
+from agent.record.layout import SampleLayout
+from agent.record.lock import FolderLock
+from agent.record.world_state import WorldState
 from agent.resume import keep_metrics, publish, publish_unless_held
 from agent.runner import _record_ending
 from agent.testing.local_server import REPO, launcher_stderr, stop_launcher
 from agent.tools.input_size import cgroup_room
-from agent.world_state import WorldState
 from tests.fixtures_vllm import group_alive, start_server, vllm_skip_reason
 from tests.fixtures_workflow import make_workflow_dir, workflow_env
 from tests.test_runner import facts, run_cmd, steps_done
@@ -567,7 +567,7 @@ def test_outputs_snakemake_deletes_come_back_and_a_second_workflow_is_stopped(
     other.write_sheet([{"sample": SAMPLE, "path": str(data), "brief": "--focus on T cells"}])
     (other.path / "results").symlink_to(workflow_dir.path / "results")
     os.utime(data)  # newer than the outputs: the second workflow would rerun the job
-    hold = "import sys, time; from pathlib import Path; from agent.lock import FolderLock\n"
+    hold = "import sys, time; from pathlib import Path; from agent.record.lock import FolderLock\n"
     hold += "with FolderLock(Path(sys.argv[1])):\n"
     hold += "    print('held', flush=True); time.sleep(120)"
     holder = subprocess.Popen(
@@ -595,7 +595,7 @@ def test_a_folder_without_hard_links_or_flock_is_refused_in_one_line(
     import fcntl
 
     from agent import cli
-    from agent.lock import FolderLock
+    from agent.record.lock import FolderLock
 
     args = ["run", "--input", str(small_input), "--outdir", str(tmp_path / "out")]
 

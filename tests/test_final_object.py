@@ -6,7 +6,7 @@ import anndata as ad
 import numpy as np
 import pytest
 
-from tests.fixtures_data import call_tool as call
+from agent.testing.reference_run import call_tool as call
 
 
 @pytest.fixture

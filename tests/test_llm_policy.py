@@ -7,14 +7,13 @@ import time
 import pytest
 
 from agent.context import ContextManager
-from agent.durable import write_private
-from agent.endpoint import KeyRefused, write_endpoint
-from agent.layout import SampleLayout
+from agent.endpoint import KeyRefused, PolicyUnavailable, write_endpoint
 from agent.loop import run_loop
-from agent.policies.base import PolicyUnavailable
 from agent.policies.llm import LLMPolicy, ServerUnavailable
+from agent.record.durable import write_private
+from agent.record.layout import SampleLayout
+from agent.record.world_state import WorldState
 from agent.registry import ToolRegistry
-from agent.world_state import WorldState
 from tests.test_loop import Counter, add, finish
 
 

@@ -10,12 +10,12 @@ import pytest
 from pydantic import Field
 
 from agent.context import ContextManager
-from agent.layout import SampleLayout
 from agent.loop import NO_CALL, run_loop
 from agent.policies.base import Decision, ToolCall, Usage
 from agent.policies.replay import ReplayPolicy
+from agent.record.layout import SampleLayout
+from agent.record.world_state import Entry, WorldState
 from agent.registry import ToolRegistry, ToolSpec, tool
-from agent.world_state import Entry, WorldState
 
 
 class Counter:

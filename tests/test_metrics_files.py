@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from agent.durable import read_appended_rows
-from agent.report.collect import load_sample
+from agent.record.collect import load_sample
+from agent.record.durable import read_appended_rows
+from agent.record.world_state import WorldState
 from agent.report.performance import build
 from agent.serve import metrics, status
-from agent.world_state import WorldState
 from tests.test_serve_metrics import exposition, llm_sample, shard_file, started
 
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from agent.context import ContextManager
-from agent.layout import SampleLayout
 from agent.loop import run_loop
 from agent.policies.base import Decision, ToolCall, Usage
+from agent.record.layout import SampleLayout
+from agent.record.world_state import HEADER, WorldState
 from agent.registry import ToolRegistry
-from agent.world_state import HEADER, WorldState
 from tests.test_loop import Counter, add, finish
 
 LINE = re.compile(r"^#(\d+) ")

@@ -16,13 +16,8 @@ import pandas as pd
 import pytest
 
 from agent.data.synthetic import truth_path
-from agent.report.truth import read_truth, score
-from tests.fixtures_realdata import (
-    PUBLISHED_FLOORS,
-    REAL_SETS,
-    last_ok,
-    per_type_agreement,
-)
+from agent.record.truth import read_truth, score
+from tests.fixtures_realdata import PUBLISHED_FLOORS, REAL_SETS, per_type_agreement
 
 # ARI against the published labels, measured 2026-12 with the reference recipe of issue 15's
 # branch: pbmc68k_reduced (Zheng 2017 bulk-profile labels, themselves noisy) leiden 0.478,
@@ -39,34 +34,34 @@ def final_object(run: dict[str, Any]) -> ad.AnnData:
 
 
 def test_real_set_analysis_finishes_with_clusters(real_run: dict[str, Any]) -> None:
-    finish = last_ok(real_run["world"], "finish")
+    finish = real_run["world"].last_ok("finish")
     assert finish is not None, f"{real_run['name']}: the reference analysis did not finish"
     assert finish.result["n_clusters"] >= 2, finish.result.get("leiden_sizes")
 
 
 def test_real_set_species_found_from_genes(real_run: dict[str, Any]) -> None:
-    qc = last_ok(real_run["world"], "qc_metrics")
+    qc = real_run["world"].last_ok("qc_metrics")
     assert qc.result["species"] == REAL_SETS[real_run["name"]].species, qc.result
 
 
 def test_real_set_qc_has_no_zero_mt_threshold(real_run: dict[str, Any]) -> None:
     world = real_run["world"]
-    qc = last_ok(world, "filter_by_qc")
-    if last_ok(world, "qc_metrics").result["gene_sets"]["mt"] == 0:  # pbmc_small: 230 genes
+    qc = world.last_ok("filter_by_qc")
+    if world.last_ok("qc_metrics").result["gene_sets"]["mt"] == 0:  # pbmc_small: 230 genes
         # a percent that is 0 in every cell: no MT cut-off is sent, and the conclusion says so
         assert qc is not None and qc.params.get("max_pct_mt") is None, qc and qc.params
-        conclusion = last_ok(world, "finish").params["conclusion"]
+        conclusion = world.last_ok("finish").params["conclusion"]
         assert "no mitochondrial genes: no MT filter" in conclusion
     else:
         assert qc is not None and qc.params["max_pct_mt"] > 0, qc and qc.params
-    loaded = last_ok(world, "load_data").result["n_cells"]
-    removed = sum(last_ok(world, t).result["removed"] for t in ("filter_cells", "filter_by_qc"))
+    loaded = world.last_ok("load_data").result["n_cells"]
+    removed = sum(world.last_ok(t).result["removed"] for t in ("filter_cells", "filter_by_qc"))
     assert removed / loaded <= MAX_QC_REMOVED, f"QC removed {removed} of {loaded} cells"
 
 
 def test_real_set_final_object_keeps_genes_and_counts(real_run: dict[str, Any]) -> None:
     final = final_object(real_run)
-    genes_after = last_ok(real_run["world"], "filter_genes").result["genes_after"]
+    genes_after = real_run["world"].last_ok("filter_genes").result["genes_after"]
     assert final.n_vars == genes_after, "the final object dropped genes that passed filtering"
     assert "highly_variable" in final.var
     shipped = ad.read_h5ad(real_run["input"])[final.obs_names, final.var_names]

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from agent import durable
-from agent.durable import RecordWriter
+from agent.record import durable
+from agent.record.durable import RecordWriter
 
 HEAD = b'{"meta":{},"entries":['
 

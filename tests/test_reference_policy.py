@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.policies.reference import RECIPE, ReferencePolicy, _option_holds
+from agent.testing.reference_run import run_reference
 from agent.tools import build_registry
-from tests.fixtures_data import recovery, run_reference
+from tests.fixtures_data import recovery
 
 REGISTRY = build_registry()
 SCHEMAS = REGISTRY.schemas()

@@ -187,7 +187,7 @@ def test_a_fault_of_the_machine_is_raised_not_recorded_as_the_calls_result():
     """EIO, a full disk or exhausted memory are no result of the analysis (a retry resumes); a
     missing file named by the model is the call's own mistake, recorded for the model to read."""
 
-    @tool("io", mutates=False)
+    @tool("load", mutates=False)
     def read_it(session: object, what: str = "eio") -> dict:
         """Read something."""
         try:

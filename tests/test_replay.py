@@ -15,21 +15,20 @@ import pytest
 from scipy import sparse
 
 from agent.cli import main as cli
-from agent.integrity import check_record
-from agent.layout import SampleLayout
-from agent.provenance import checksum, input_checksums
-from agent.replay import (
-    NotReplayed,
+from agent.record.integrity import check_record
+from agent.record.layout import SampleLayout
+from agent.record.provenance import checksum, input_checksums
+from agent.record.world_state import Entry, WorldState
+from agent.replay.compare import (
     StepComparison,
     Tolerance,
-    _as_now,
-    check_input,
+    as_now,
     compare_step,
     compare_values,
     verdict,
 )
+from agent.replay.run import NotReplayed, check_input
 from agent.report.html import verdict_class
-from agent.world_state import Entry, WorldState
 
 
 def edited_copy(world_state: Path, folder: Path, edit, reseal: bool = False) -> Path:
@@ -163,8 +162,8 @@ def test_a_record_made_before_version_2_names_its_input_the_old_way_and_still_co
     name = Path(meta["input"]).name
     load = world.entries[0]
     old = dataclasses.replace(load, result={**load.result, "path": name})
-    assert _as_now(old, meta).result == load.result
-    assert _as_now(old, world.meta).result["path"] == name  # a version 2 record: as it says
+    assert as_now(old, meta).result == load.result
+    assert as_now(old, world.meta).result["path"] == name  # a version 2 record: as it says
 
 
 def test_edited_resolution_diverges_at_its_step(demo_run, tmp_path, capsys):

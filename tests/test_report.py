@@ -19,9 +19,9 @@ import pandas as pd
 import pytest
 
 from agent.cli import main as cli
+from agent.record.truth import score
+from agent.record.world_state import WorldState
 from agent.report.drift import robust_flags
-from agent.report.truth import score
-from agent.world_state import WorldState
 from tests.fixtures_report import CARELESS_REASON
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -312,7 +312,7 @@ def test_page_names_are_safe_and_unique():
 
 
 def test_a_rebuilt_report_drops_pages_of_samples_gone(demo_run, demo_replay, tmp_path):
-    from agent.report import build_report
+    from agent.report.build import build_report
 
     build_report([demo_run.world_state], [], tmp_path)
     (tmp_path / "samples" / "old.html").write_text("from an earlier cohort")
@@ -386,8 +386,8 @@ def test_another_models_evaluation_is_named_not_linked(careless_run, evaluation,
     an evaluation of Qwen at a revision is another model's, named so, not copied (an earlier
     report's copies go), linked or in the crate; one of the server 'scripted' matches on that
     name only, and says so; the reference recipe's evaluated no model."""
-    from agent.report import build_report
-    from agent.report.collect import load_sample
+    from agent.record.collect import load_sample
+    from agent.report.build import build_report
     from agent.report.evaluation import include
 
     record = careless_run / "world_state.json"
@@ -527,7 +527,7 @@ def test_page_renders_in_headless_chromium(cohort, tmp_path):
 @pytest.fixture(scope="module")
 def cohort_1000(demo_run, demo_replay, tmp_path_factory) -> Path:
     """1,000 copies of the demo sample, reported (about 20 s): the report at scale."""
-    from agent.report import build_report
+    from agent.report.build import build_report
     from agent.testing.cohort_copies import copy_cohort
 
     root = tmp_path_factory.mktemp("cohort1000")
@@ -570,7 +570,7 @@ class Report:
 
 
 def _report(world_states: list[Path], outdir: Path) -> Report:
-    from agent.report import build_report
+    from agent.report.build import build_report
 
     build_report(world_states, [], outdir)
     with open(outdir / "cohort.tsv", newline="") as f:
@@ -733,7 +733,7 @@ def test_label_flags_name_each_kind_of_doubt():
     return them: a score margin, a lineage without its subtype, CellTypist's weak clusters."""
     from types import SimpleNamespace
 
-    from agent.report.checks import label_flags
+    from agent.record.checks import label_flags
 
     markers = {
         "ambiguous": {"3": "CD4 T|CD8 T"},

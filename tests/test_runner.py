@@ -13,15 +13,16 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from agent import layout as layout_names
 from agent.config import RunConfig
 from agent.context import TokenCounter
 from agent.digest import DIGEST_VERSION
-from agent.layout import SampleLayout
+from agent.exit_status import ExitStatus
+from agent.record import layout as layout_names
+from agent.record.layout import SampleLayout
+from agent.record.world_state import WorldState
 from agent.replay import replay
 from agent.runner import _brief, run_sample
 from agent.tools import build_registry
-from agent.world_state import WorldState
 
 SCHEMA = json.loads(
     (Path(__file__).parents[1] / "agent/schemas/world_state.schema.json").read_text()
@@ -156,7 +157,7 @@ def test_every_run_option_is_a_config_field_and_back():
 
 
 def test_renaming_a_sample_file_is_one_line_in_the_layout(small_input, tmp_path, monkeypatch):
-    """Every reader and writer of a sample's folder takes its names from agent.layout: rename the
+    """Every reader and writer of a sample's folder takes its names from agent.record.layout: rename the
     record, metrics and checkpoint folder there, and a run and its replay use the new names."""
     monkeypatch.setattr(layout_names, "RECORD", "provenance.json")
     monkeypatch.setattr(layout_names, "METRICS", "steps.jsonl")
@@ -176,7 +177,7 @@ def test_renaming_a_sample_file_is_one_line_in_the_layout(small_input, tmp_path,
 
 def test_input_checksum_is_of_the_files_the_reader_uses_not_their_place(tmp_path):
     """A stray file in a 10x folder is not the input; the same bytes in a moved folder are."""
-    from agent.provenance import checksum, input_checksums
+    from agent.record.provenance import checksum, input_checksums
 
     folder = tmp_path / "a" / "sample"
     folder.mkdir(parents=True)
@@ -196,7 +197,7 @@ def test_input_checksum_is_of_the_files_the_reader_uses_not_their_place(tmp_path
 
 
 def test_folder_lock_refuses_a_second_holder_by_name_and_frees_on_exit(tmp_path):
-    from agent.lock import FolderBusy, FolderLock
+    from agent.record.lock import FolderBusy, FolderLock
 
     path = tmp_path / "sample" / ".lock"
     with FolderLock(path), pytest.raises(FolderBusy, match=rf"another run \(pid {os.getpid()} on "):
@@ -305,7 +306,7 @@ def test_a_refused_input_ends_at_once_with_its_reason_and_exit_3(tmp_path, capsy
     runner.add_arguments(parser)
     args = parser.parse_args(["--input", str(path), "--outdir", str(tmp_path / "o")])
     for _ in range(2):  # a rerun keeps the refusal (or comes to it again) and says so
-        assert runner.main(args) == runner.EXIT_INPUT_REFUSED
+        assert runner.main(args) == ExitStatus.INPUT_REFUSED
         err = capsys.readouterr().err
         assert "[tiny] input refused (exit 3)" in err and "holds 5 cells" in err, err
         world = WorldState.load(tmp_path / "o" / "world_state.json")
@@ -391,7 +392,7 @@ def test_a_model_that_cannot_load_the_input_ends_with_input_refused(tmp_path, gi
 
 def _record(status, tools=("load_data",), **meta):
     """An earlier record of sample "s" with seed 0, one ok entry per tool."""
-    from agent.world_state import Entry
+    from agent.record.world_state import Entry
 
     entries = [
         Entry(step=i, tool=t, params={}, status="ok", result={}, error=None, seconds=0.0,

@@ -9,7 +9,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from agent.durable import write_private
 from agent.endpoint import (
     EndpointError,
     read_api_key,
@@ -18,6 +17,7 @@ from agent.endpoint import (
     wait_until_ready,
     write_endpoint,
 )
+from agent.record.durable import write_private
 
 
 class _FakeVLLM(BaseHTTPRequestHandler):
@@ -155,8 +155,7 @@ def test_what_the_launcher_writes_the_agents_read(tmp_path):
 
 
 def test_a_refused_key_ends_the_wait_at_once(fake_server, tmp_path):
-    from agent.endpoint import KeyRefused
-    from agent.policies.base import PolicyUnavailable
+    from agent.endpoint import KeyRefused, PolicyUnavailable
 
     _FakeVLLM.ready_at = 0.0
     key_file = tmp_path / "s.key"

@@ -11,6 +11,7 @@ import pytest
 
 from agent.cli import main as cli
 from agent.serve import gpu as gpus
+from agent.serve import kvplan_text
 from agent.serve.flags import select_flags
 from agent.serve.kvplan import GIB, STAND_IN_WEIGHTS_SHARE, plan_capacity
 from agent.serve.model_config import ModelConfigError, load_model_config, model_shape
@@ -112,7 +113,7 @@ def test_vllm_keeps_several_linear_states_per_sequence():
     # layer's too) x 41 blocks, and the 48 linear layers grouped by 17 as vLLM groups them: 51
     assert drafting.sequence_bytes(32768) == 800 * 4096 * (17 * 41 + 51 * 4)
     assert drafting.params > plain.params  # the MTP layer's weights load too
-    assert "4 x 148.7 MiB of linear-attention state" in drafting.kv_summary()
+    assert "4 x 148.7 MiB of linear-attention state" in kvplan_text.kv_summary(drafting)
 
 
 def test_gemma4_global_layers_as_transformers_5_writes_them():
@@ -146,7 +147,7 @@ def test_sliding_layers_hold_their_window_and_the_tokens_in_flight():
     assert g.sliding_tokens(65536, h200.in_flight) == 1024 - 1 + 16384
     cpu = plan_capacity(g, gpus.cpu(64), max_model_len=65536, agents=1)
     assert cpu.in_flight is None and g.sliding_tokens(65536, None) == 65536
-    assert "window 1,024 - 1 + 16,384 tokens in flight" in h200.kv_summary()
+    assert "window 1,024 - 1 + 16,384 tokens in flight" in kvplan_text.kv_summary(h200)
 
 
 def test_plan_for_qwen3_8b_on_one_h100():
@@ -175,7 +176,8 @@ def test_sliding_layers_skipped_by_an_fp8_kv_cache_keep_the_models_dtype():
     held = g.sliding_tokens(65536, skip.in_flight)
     per_token = g.count("sliding") * g.kv_bytes_per_token_per_layer(1, "sliding")
     assert skip.sequence_bytes(65536) - fp8.sequence_bytes(65536) == pytest.approx(held * per_token)
-    assert "x 2 B" in skip.per_token_formula() and "x 1 B" in skip.per_token_formula()
+    formula = kvplan_text.per_token_formula(skip)
+    assert "x 2 B" in formula and "x 1 B" in formula
     config = load_model_config(CONFIGS / "gemma-4-31b-it.json")
     chosen = select_flags(h200, config, {"max_model_len": 65536})
     assert chosen.plan.sliding_kv_bytes == 2
@@ -325,8 +327,9 @@ def test_a_drafter_models_weights_and_kv_come_out_of_the_same_gpus(tmp_path):
     assert plan.seqs_fit_at_max_len < plain.seqs_fit_at_max_len
     summary = f"{folder} (28 layers, 0.60 B parameters): weights 1.1 GiB and its own KV cache"
     assert f"drafter: {summary}, 57,344 B/token (fp8)" in chosen.explain()
-    assert "- drafter 1.1 - overhead 2" in plan.table() and summary in plan.table()
-    assert plan.to_dict()["drafter"]["weights_gib"] == round(plan.drafter_weights_gib, 2)
+    table = kvplan_text.table(plan)
+    assert "- drafter 1.1 - overhead 2" in table and summary in table
+    assert kvplan_text.as_dict(plan)["drafter"]["weights_gib"] == round(plan.drafter_weights_gib, 2)
 
 
 def test_gemma4s_assistant_reads_the_models_kv_and_holds_none(hub_cache):
@@ -374,4 +377,4 @@ def test_a_drafter_not_fetched_is_planned_with_a_stated_stand_in(hub_cache, tmp_
     plan = other.plan
     assert plan.drafter_weights_gib == pytest.approx(STAND_IN_WEIGHTS_SHARE * plan.weights_gib)
     assert plan.drafter_sequence_bytes(1) == plan.kv_bytes_per_token  # all 36 full layers
-    assert f"{missing}: its config.json cannot be read" in plan.table()
+    assert f"{missing}: its config.json cannot be read" in kvplan_text.table(plan)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from agent.durable import read_appended_rows
-from agent.report import build_report
-from agent.report.collect import Sample
+from agent.record.collect import Sample
+from agent.record.durable import read_appended_rows
+from agent.record.world_state import WorldState
+from agent.report.build import build_report
 from agent.report.performance import NO_SERVER, build, view
 from agent.serve import metrics
-from agent.world_state import WorldState
 
 AGENT = [sys.executable, "-m", "agent"]
 

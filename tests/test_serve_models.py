@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from agent.serve import gpu as gpus
-from agent.serve import hub, launch
+from agent.serve import hub, kvplan_text, launch
 from agent.serve.flags import select_flags
 from agent.serve.model_config import load_model_config
 
@@ -176,7 +176,7 @@ def test_kv_heads_are_replicated_when_gpus_outnumber_them():
     eight = select_flags(gpus.resolve("H100", 8), config, {"kv_cache_dtype": "model"}).plan
     assert one.kv_bytes_per_token == 65_536
     assert eight.kv_bytes_per_token == 65_536 * 2  # 4 KV heads over 8 GPUs: each GPU holds one
-    assert "8 (replicated 4) KV heads" in eight.per_token_formula()
+    assert "8 (replicated 4) KV heads" in kvplan_text.per_token_formula(eight)
 
 
 def test_launcher_options_reach_the_server_environment(tmp_path):

@@ -10,9 +10,9 @@ import orjson
 import pytest
 
 from agent import cli
-from agent.layout import SampleLayout
-from agent.lock import FolderLock
-from agent.report import build_report
+from agent.record.layout import SampleLayout
+from agent.record.lock import FolderLock
+from agent.report.build import build_report
 from agent.samplesheet import SampleSheetError, load_sheet
 from tests.fixtures_report import DemoRun
 from tests.fixtures_workflow import WorkflowDir

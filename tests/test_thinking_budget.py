@@ -6,11 +6,11 @@ import pytest
 
 from agent.config import RunConfig
 from agent.data.synthetic import DEMO_COHORT, write_sample
+from agent.record.world_state import WorldState
 from agent.runner import run_sample
 from agent.serve import catalogue
 from agent.serve.flags import select_flags
 from agent.serve.gpu import resolve
-from agent.world_state import WorldState
 
 TIMING = ("queue_seconds", "ttft_seconds", "decode_seconds")
 

@@ -18,13 +18,12 @@ import pandas as pd
 import pytest
 from scipy import sparse
 
-from agent.data.real import REAL_SETS, shipped_file
 from agent.data.synthetic import SampleSpec, load_truth, write_sample
 from agent.testing.droplets import Droplets, unfiltered
+from agent.testing.reference_run import call_tool, run_reference
 from agent.tools import ambient, soupx
 from agent.tools.session import Session
-from tests.fixtures_data import call_tool, run_reference
-from tests.fixtures_realdata import INSTALL_HINT
+from tests.fixtures_realdata import shipped_or_skip
 
 SOUPX_TOLERANCE = 0.03  # absolute, and the planted fraction inside the half-maximum
 DECONTX_TOLERANCE = 0.05  # absolute, of the share of the sample's counts
@@ -34,12 +33,9 @@ SOUP = 0.02  # ambient UMIs added to each real cell, as a share of its own
 @pytest.fixture(scope="module")
 def droplets_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """CellTypist's cells among empty droplets of their own soup, analysed up to leiden."""
-    real = REAL_SETS["celltypist_sample"]
-    source = shipped_file(real)
-    if source is None:
-        pytest.skip(f"{real.file} of {real.package} not installed ({INSTALL_HINT})")
+    cells = shipped_or_skip("celltypist_sample")[0]
     folder = tmp_path_factory.mktemp("ambient_droplets")
-    matrix = unfiltered(real.read(source)[0], Droplets(20_000, (1, 100), soup=SOUP, seed=3))
+    matrix = unfiltered(cells, Droplets(20_000, (1, 100), soup=SOUP, seed=3))
     matrix.write_h5ad(folder / "raw.h5ad")
     session, world = run_reference(folder / "raw.h5ad", folder / "out", stop_after="leiden")
     return {"session": session, "world": world, "raw": folder / "raw.h5ad"}

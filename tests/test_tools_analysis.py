@@ -10,8 +10,8 @@ import scanpy as sc
 from sklearn.metrics import adjusted_rand_score
 
 from agent.data.synthetic import load_truth
+from agent.testing.reference_run import call_tool as call
 from agent.tools import TOOLS, build_registry
-from tests.fixtures_data import call_tool as call
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -19,24 +19,20 @@ from scipy import sparse
 
 from agent.config import RunConfig
 from agent.policies.reference import _conclusion
+from agent.record.world_state import WorldState
 from agent.runner import run_sample
 from agent.testing.droplets import Droplets, is_cell, unfiltered
+from agent.testing.reference_run import call_tool as call
+from agent.testing.reference_run import run_reference
 from agent.tools.emptydrops import count_at_or_below, dm_loglik
 from agent.tools.session import Session
-from agent.world_state import WorldState
-from tests.fixtures_data import call_tool as call
-from tests.fixtures_data import run_reference
-from tests.fixtures_realdata import REAL_SETS, shipped_file
+from tests.fixtures_realdata import shipped_or_skip
 
 N_EMPTY = 20_000
 
 
 def _real_cells() -> ad.AnnData:
-    real = REAL_SETS["pbmc68k_reduced"]
-    source = shipped_file(real)
-    if source is None:
-        pytest.skip("scanpy's pbmc68k_reduced is not installed")
-    return real.read(source)[0]
+    return shipped_or_skip("pbmc68k_reduced")[0]
 
 
 def _unfiltered(cells: ad.AnnData, how: Droplets, path: Path) -> Path:

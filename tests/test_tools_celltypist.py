@@ -1,9 +1,10 @@
 """annotate_celltypist: labels from a user-supplied CellTypist model (issue 24, item 4).
 
 No second labelled real set ships in the installed packages (CellTypist's sample and Seurat's
-pbmc_small carry no cell types), so a small model is trained here on a seeded random half of
-scanpy's pbmc68k_reduced (published Zheng 2017 bulk-profile labels) and applied to the other
-half, which the reference recipe analyses from its raw counts with the model as a run option.
+pbmc_small carry no cell types), so a small model is trained on a seeded random half of
+scanpy's pbmc68k_reduced (published Zheng 2017 bulk-profile labels; agent/testing/
+celltypist_model.py) and applied to the other half, which the reference recipe analyses from its
+raw counts with the model as a run option.
 """
 
 from __future__ import annotations
@@ -24,19 +25,18 @@ import anndata as ad
 import numpy as np
 import pandas as pd
 import pytest
-import scanpy as sc
 
 from agent.config import RunConfig
-from agent.provenance import file_sha256
+from agent.record.provenance import file_sha256
+from agent.record.world_state import WorldState
 from agent.registry import ToolError
-from agent.tools.celltypist_annotate import UNS_KEY, import_celltypist
+from agent.testing.celltypist_model import SPLIT_SEED, train_model, training_half
+from agent.testing.reference_run import call_tool, run_reference
+from agent.tools.celltypist_annotate import UNS_KEY
 from agent.tools.session import Session
-from agent.world_state import WorldState
-from tests.fixtures_data import call_tool, run_reference
-from tests.fixtures_realdata import REAL_SETS, last_ok, shipped_file
+from tests.fixtures_realdata import shipped_or_skip
 from tests.fixtures_workflow import WorkflowDir
 
-SPLIT_SEED = 0
 # Accuracy against the published labels on the held-out half, measured 2026-12 (seed 0 split,
 # SGD model alpha 0.1): per cell 0.815, voted per Leiden cluster 0.736. Floors leave a margin.
 FLOORS = {"cell": 0.75, "voted": 0.65}
@@ -44,29 +44,8 @@ FLOORS = {"cell": 0.75, "voted": 0.65}
 
 def pbmc_halves(seed: int = SPLIT_SEED) -> tuple[ad.AnnData, pd.Series, np.ndarray]:
     """pbmc68k_reduced's rebuilt counts, its labels, and the seeded training half (a mask)."""
-    real = REAL_SETS["pbmc68k_reduced"]
-    source = shipped_file(real)
-    if source is None:
-        pytest.skip("scanpy's pbmc68k_reduced is not installed")
-    counts, labels = real.read(source)
-    train = np.random.default_rng(seed).random(counts.n_obs) < 0.5
-    return counts, labels, train
-
-
-def train_model(counts: ad.AnnData, labels: pd.Series, path: Path) -> Path:
-    """A CellTypist model of ``counts`` (log1p of counts per 10,000, as CellTypist trains), seeded."""
-    celltypist = import_celltypist()  # without its INFO logging
-    data = counts.copy()
-    sc.pp.normalize_total(data, target_sum=1e4)
-    sc.pp.log1p(data)
-    # SGD: celltypist 1.7.1's default solver passes multi_class to scikit-learn, which 1.8
-    # removed; alpha 0.1 gave the best held-out accuracy of 1e-4 ... 0.1 and spread confidences
-    model = celltypist.train(
-        data, labels=labels.to_numpy(), feature_selection=False, use_SGD=True, alpha=0.1,
-        n_jobs=1, random_state=0, version="test-1", details="pbmc68k_reduced, training half",
-    )  # fmt: skip
-    model.write(str(path))
-    return path
+    counts, labels = shipped_or_skip("pbmc68k_reduced")
+    return counts, labels, training_half(counts.n_obs, seed)
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +62,8 @@ def held_out_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_reference_run_labels_from_the_model(held_out_run: dict[str, Any]) -> None:
     world, session = held_out_run["world"], held_out_run["session"]
-    assert last_ok(world, "finish") is not None, [(e.tool, e.error) for e in world.entries]
-    entry = last_ok(world, "annotate_celltypist")
+    assert world.last_ok("finish") is not None, [(e.tool, e.error) for e in world.entries]
+    entry = world.last_ok("annotate_celltypist")
     assert entry is not None and entry.params["model_file"] is None, entry  # the run's model
     final = ad.read_h5ad(session.layout.final)
     truth = held_out_run["truth"].loc[final.obs_names]
@@ -101,7 +80,7 @@ def test_reference_run_labels_from_the_model(held_out_run: dict[str, Any]) -> No
 
 def test_provenance_in_result_and_uns(held_out_run: dict[str, Any]) -> None:
     model_file = held_out_run["model"]
-    result = last_ok(held_out_run["world"], "annotate_celltypist").result
+    result = held_out_run["world"].last_ok("annotate_celltypist").result
     model = result["model"]
     assert model["sha256"] == file_sha256(model_file)
     assert (model["name"], model["version"]) == ("pbmc_half.pkl", "test-1")
@@ -228,7 +207,7 @@ def test_runner_records_the_model_and_a_changed_model_is_another_setting(
     """`agent run --celltypist-model`: the record, the report and the crate name the model, a
     replay reproduces it; the same folder with another model is refused as other settings."""
     from agent.replay import replay
-    from agent.report import build_report
+    from agent.report.build import build_report
     from agent.resume import CannotReuse
     from agent.runner import run_sample
 

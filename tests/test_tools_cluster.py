@@ -10,6 +10,8 @@ import pandas as pd
 import pytest
 
 from agent.data.synthetic import SampleSpec, truth_path, write_sample
+from agent.testing.reference_run import call_tool as call
+from agent.testing.reference_run import run_reference
 from agent.tools.cluster import (
     MIN_SEPARATING_GENES,
     MIN_STABILITY,
@@ -19,20 +21,14 @@ from agent.tools.cluster import (
     separating_genes,
 )
 from agent.tools.session import Session
-from tests.fixtures_data import call_tool as call
-from tests.fixtures_data import run_reference
-from tests.fixtures_realdata import INSTALL_HINT, REAL_SETS, shipped_file, write_truth
+from tests.fixtures_realdata import shipped_or_skip, write_truth
 
 
 @pytest.fixture(scope="module")
 def t_cells(tmp_path_factory: pytest.TempPathFactory) -> tuple[Session, pd.Series]:
     """scanpy's pbmc68k_reduced, only the cells published as T cells (CD4+ and CD8+ types: 192),
     through the reference recipe up to umap; with their published labels."""
-    real = REAL_SETS["pbmc68k_reduced"]
-    source = shipped_file(real)
-    if source is None:
-        pytest.skip(f"{real.file} of {real.package} not installed ({INSTALL_HINT})")
-    adata, labels = real.read(source)
+    adata, labels = shipped_or_skip("pbmc68k_reduced")
     keep = labels.str.startswith(("CD4+", "CD8+")).to_numpy()
     path = tmp_path_factory.mktemp("t_cells") / "t_cells.h5ad"
     adata[keep].copy().write_h5ad(path)

@@ -18,9 +18,9 @@ from agent.policies.reference import (
     ReferencePolicy,
     _doublet_threshold,
 )
+from agent.testing.reference_run import REGISTRY
+from agent.testing.reference_run import call_tool as call
 from agent.tools.session import Session
-from tests.fixtures_data import REGISTRY
-from tests.fixtures_data import call_tool as call
 
 
 def test_too_few_cells_call_no_doublets_and_say_why(session_at):

@@ -21,11 +21,11 @@ import scanpy as sc
 import scipy.io as spio
 from scipy import sparse
 
-from agent.provenance import checksum, input_files
+from agent.record.provenance import checksum, input_files
 from agent.registry import InfrastructureError
+from agent.testing.reference_run import call_tool as call
 from agent.tools.input_size import available_memory
 from agent.tools.session import Session
-from tests.fixtures_data import call_tool as call
 
 
 @pytest.mark.parametrize("name", ["pbmc1", "pbmc2", "pbmc3"])

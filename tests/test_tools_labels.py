@@ -20,17 +20,11 @@ import scanpy as sc
 from sklearn.metrics import adjusted_rand_score
 
 from agent.data.synthetic import load_truth
+from agent.testing.reference_run import call_tool as call
+from agent.testing.reference_run import run_reference
 from agent.tools.annotate import UNKNOWN, default_marker_sets
 from agent.tools.session import Session
-from tests.fixtures_data import call_tool as call
-from tests.fixtures_data import run_reference
-from tests.fixtures_realdata import (
-    INSTALL_HINT,
-    PUBLISHED_FLOORS,
-    REAL_SETS,
-    per_type_agreement,
-    shipped_file,
-)
+from tests.fixtures_realdata import PUBLISHED_FLOORS, per_type_agreement, shipped_or_skip
 
 T_TYPES = ("CD4 naive T", "CD4 memory T", "Treg", "CD8 naive T", "CD8 effector-memory T")
 T_LINEAGE = (*T_TYPES, "T", "CD4 T", "CD8 T")  # with the lineage and its groups' labels
@@ -244,11 +238,7 @@ def test_real_pbmc_clusters_get_their_sorted_cell_type(tmp_path):
 @pytest.fixture(scope="module")
 def cd4_only(tmp_path_factory: pytest.TempPathFactory) -> Session:
     """The reference analysis, up to annotate_clusters, of pbmc68k_reduced's CD4 T sorts alone."""
-    real = REAL_SETS["pbmc68k_reduced"]
-    source = shipped_file(real)
-    if source is None:
-        pytest.skip(f"{real.name} not installed ({INSTALL_HINT})")
-    adata, published = real.read(source)
+    adata, published = shipped_or_skip("pbmc68k_reduced")
     folder: Path = tmp_path_factory.mktemp("cd4_only")
     adata[published.str.startswith("CD4+").to_numpy()].copy().write_h5ad(folder / "cd4.h5ad")
     session, _ = run_reference(folder / "cd4.h5ad", folder / "run", stop_after="annotate_clusters")

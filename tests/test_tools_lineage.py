@@ -44,12 +44,12 @@ from agent.testing.held_out import (
     detected,
     held_out_inputs,
 )
+from agent.testing.reference_run import call_tool as call
 from agent.tools.annotate import UNKNOWN, annotate_clusters
 from agent.tools.lineage import lineage_table
 from agent.tools.marker_sets import default_markers, match, parse_markers
 from agent.tools.session import Session
-from tests.fixtures_data import call_tool as call
-from tests.fixtures_realdata import INSTALL_HINT, REAL_SETS, shipped_file
+from tests.fixtures_realdata import INSTALL_HINT, shipped_or_skip
 
 pytestmark = pytest.mark.slow
 
@@ -250,10 +250,7 @@ def _normalised(counts: ad.AnnData, groups: list[str]) -> Session:
 @pytest.fixture(scope="module")
 def sorted_groups() -> tuple[ad.AnnData, pd.Series]:
     """pbmc68k_reduced's counts with its published sorts."""
-    real = REAL_SETS["pbmc68k_reduced"]
-    if shipped_file(real) is None:
-        pytest.skip(f"pbmc68k_reduced not installed ({INSTALL_HINT})")
-    return real.read(shipped_file(real))
+    return shipped_or_skip("pbmc68k_reduced")
 
 
 @pytest.mark.parametrize("t_clusters", [1, 6])

@@ -9,10 +9,10 @@ from scipy import sparse
 
 from agent.data.synthetic import SampleSpec, load_truth, write_sample
 from agent.policies.reference import RECIPE, _conclusion, _min_genes, _qc_thresholds
+from agent.testing.reference_run import call_tool as call
 from agent.tools.plots import _figure, plt
 from agent.tools.qc import _suggest
 from agent.tools.session import Session
-from tests.fixtures_data import call_tool as call
 
 
 def test_qc_metrics_quantiles_and_mad_suggestions(session_at, small_input):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from agent.digest import digest_adata
-from agent.durable import atomic_write_h5ad
+from agent.record.durable import atomic_write_h5ad
 from agent.registry import ToolError
 from agent.tools import build_registry
 from agent.tools.session import Session

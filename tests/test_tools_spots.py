@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 
 from agent.data.synthetic import SampleSpec, simulate, write_10x_h5, write_10x_mtx
+from agent.testing.reference_run import call_tool as call
 from agent.tools.session import Session
 from agent.tools.spots import are_spots
-from tests.fixtures_data import call_tool as call
 
 BASES = np.array(list("ACGT"))
 

@@ -36,7 +36,7 @@ from tests.fixtures_workflow import (
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 # The test node has 2 CPUs: one per job, so a server group (server + one agent) fits on it.
-SLURM_SAMPLES = DEMO_SAMPLES[:3]
+SLURM_SAMPLES = DEMO_SAMPLES[:2]
 SMALL = {"runtime": 30, "mem_mb": 2000, "cpus_per_task": 1, "slurm_partition": ""}
 SMALL_RESOURCES = {
     "demo_data": SMALL,
@@ -97,9 +97,9 @@ def cohort(slurm_profile_env, tmp_path_factory) -> tuple[WorkflowDir, str]:
 
 def test_demo_cohort_runs_through_slurm(slurm_cluster, cohort: tuple[WorkflowDir, str]):
     wd, output = cohort
-    # 3 demo_data + 3 analyze + 3 replay + 1 compare + 1 cohort_composition + 1 cohort_de +
+    # 2 demo_data + 2 analyze + 2 replay + 1 compare + 1 cohort_composition + 1 cohort_de +
     # 1 report; `all` is a local rule with nothing to run
-    slurm_ids = set(assert_all_through_slurm(slurm_cluster, output, expected_jobs=13))
+    slurm_ids = set(assert_all_through_slurm(slurm_cluster, output, expected_jobs=10))
     check_cohort_outputs(wd.path, SLURM_SAMPLES)
     for sample in SLURM_SAMPLES:
         first = (wd.path / "logs" / "analyze" / f"{sample}.log").read_text().splitlines()[0]

@@ -5,14 +5,21 @@ from __future__ import annotations
 import numpy as np
 import orjson
 
-from agent.integrity import check_record, unchained
-from agent.layout import SampleLayout
-from agent.world_state import Entry, WorldState
+from agent.record.integrity import check_record, unchained
+from agent.record.layout import SampleLayout
+from agent.record.world_state import Entry, WorldState
+
+# a run's meta as check_record reads it (agent.record.models.RunMeta)
+META = {
+    "sample": "S1", "input_sha256": "0" * 64, "policy": "reference", "seed": 0, "input": "in.h5ad",
+    "started": "2026-01-01T00:00:00+00:00", "resumed": [], "model": None, "server_flags": None,
+    "versions": {"python": "3.11"}, "ended": None,
+}  # fmt: skip
 
 
 def record(status: str, n: int = 3) -> WorldState:
     """A small record whose results hold numpy values and a NaN, as tools return them."""
-    world = WorldState(meta={"sample": "S1", "seed": 0, "status": status, "resumed": []})
+    world = WorldState(meta={**META, "status": status})
     for step in range(1, n + 1):
         world.add(
             Entry(

@@ -25,12 +25,12 @@ import orjson
 
 from agent import say
 from agent.config import LOAD_OPTIONS
-from agent.layout import FINAL, PREVIOUS, RECORD, SampleLayout
+from agent.record.layout import FINAL, PREVIOUS, RECORD, SampleLayout
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from agent.report.collect import Sample
+    from agent.record.collect import Sample
 
 TSV = "comparison.tsv"
 HTML = "comparison.html"
@@ -82,9 +82,9 @@ def read_side(record: Path) -> Side:
     """The analysis whose record is ``record``; what cannot be read is noted, never raised. The
     record is checked as replay checks it (``check_record``: chain, seal, steps, and the final
     object holding the finish step's data): a side that fails is not compared."""
-    from agent.integrity import check_record
-    from agent.provenance import file_sha256
-    from agent.report.collect import cluster_key, load_sample, read_obs
+    from agent.record.collect import cluster_key, load_sample, read_obs
+    from agent.record.integrity import check_record
+    from agent.record.provenance import file_sha256
 
     side = Side(record, load_sample(record))
     side.problems += side.sample.problems
@@ -133,7 +133,7 @@ def _json(value: Any) -> str:
 def changed_settings(old: Sample, new: Sample) -> list[str]:
     """``what: old -> new`` for each run setting and tool parameter whose value differs (the
     last successful call of each analysis tool, as the cohort report shows them)."""
-    from agent.report.cohort import chosen_parameters
+    from agent.record.collect import chosen_parameters
 
     pairs = [(f"run.{k}", old.meta.get(k), new.meta.get(k)) for k in RUN_SETTINGS]
     before, after = chosen_parameters(old), chosen_parameters(new)
@@ -278,7 +278,7 @@ def compare(
     ``new`` None: the current analyses in ``old`` against their newest previous/ one."""
     import pandas as pd
 
-    from agent.report import publish
+    from agent.record.durable import publish
 
     roots = [old] if new is None else [old, new]
     rows = []
@@ -315,7 +315,7 @@ def compare(
 def render(rows: list[dict[str, Any]], old: Path, new: Path | None) -> str:
     """comparison.html: the summary, one table row per sample, each sample's label confusion
     and records; the report's style sheet, nothing external."""
-    from agent.report.html import asset, fmt, templates
+    from agent.pages import asset, fmt, templates
 
     def view(row: dict[str, Any]) -> dict[str, Any]:
         confusion = orjson.loads(row["label_confusion"]) if row.get("label_confusion") else {}
@@ -356,7 +356,7 @@ def copy_into_report(folder: Path | None, outdir: Path) -> list[Path]:
     """The comparison in ``folder`` copied into the report folder ``outdir`` (the report links
     it, and a report folder is shipped alone: `snakemake --report`); [] and no copy when
     ``folder`` holds none."""
-    from agent.report import publish
+    from agent.record.durable import publish
 
     sources = [folder / TSV, folder / HTML] if folder is not None else []
     if sources and all(p.is_file() for p in sources):

@@ -34,7 +34,7 @@ import orjson
 from agent import say
 from agent.cohort.conditions import Design, design
 from agent.cohort.integrate import InputRecord
-from agent.layout import RECORD
+from agent.record.layout import RECORD
 
 if TYPE_CHECKING:  # numpy and pandas load in the functions: `--help` answers at once
     import pandas as pd
@@ -169,7 +169,7 @@ def compose(
     summary. ``records``: the finished samples (integrate.finished_inputs), ``left_out`` those
     it left out and why; ``cells``: the sheet's cells per sample (samplesheet.sample_cells)."""
     from agent.cohort.labels import read_cells
-    from agent.durable import atomic_write, atomic_write_json
+    from agent.record.durable import atomic_write, atomic_write_json
 
     found = read_cells(records, cohort_dir)
     left_out = {**(left_out or {}), **found.left_out}
@@ -264,7 +264,7 @@ def report_view(folder: Path) -> dict[str, Any] | None:
 def copy_into_report(folder: Path | None, outdir: Path) -> list[Path]:
     """composition.tsv copied beside the report's cohort.tsv (the index links it; a report
     folder is shipped alone); [] and no copy when ``folder`` holds none."""
-    from agent.report import publish
+    from agent.record.durable import publish
 
     source = folder / TABLE if folder is not None else None
     if source is None or not source.is_file():

@@ -33,7 +33,7 @@ import orjson
 
 from agent import say
 from agent.cohort.integrate import InputRecord
-from agent.layout import RECORD
+from agent.record.layout import RECORD
 
 if TYPE_CHECKING:  # numpy and pandas load in the functions: `--help` answers at once
     import pandas as pd
@@ -143,7 +143,7 @@ def write_pseudobulk(bulk: pd.DataFrame, obs: pd.DataFrame, path: Path) -> None:
     import pandas as pd
     from scipy import sparse
 
-    from agent.durable import atomic_write_h5ad
+    from agent.record.durable import atomic_write_h5ad
 
     adata = ad.AnnData(
         sparse.csr_matrix(bulk.to_numpy(dtype=np.float32)),
@@ -196,7 +196,7 @@ def differential_expression(
     from agent.cohort.conditions import design
     from agent.cohort.labels import read_cells
     from agent.cohort.pseudobulk import plan_labels
-    from agent.durable import atomic_write, atomic_write_json
+    from agent.record.durable import atomic_write, atomic_write_json
 
     found = read_cells(records, cohort_dir)
     left_out = {**(left_out or {}), **found.left_out}
@@ -308,7 +308,7 @@ REPORT_FOLDER = "de"  # the report's copies of the tables: OUTDIR/de/STEM.tsv
 def copy_into_report(folder: Path | None, outdir: Path) -> list[Path]:
     """Every comparison's table copied into the report folder's de/ (the index links them; a
     report folder is shipped alone); an earlier report's copies go first."""
-    from agent.report import publish
+    from agent.record.durable import publish
 
     target = outdir / REPORT_FOLDER
     shutil.rmtree(target, ignore_errors=True)

@@ -10,7 +10,7 @@ Writes OUTDIR/adata.h5ad (uns['integration']: method, library and version, param
 every input record with the sha256 of its world state and final object), OUTDIR/integration.json
 (the same, for the report and the RO-Crate) and OUTDIR/plots/umap_by_{sample,label}.png.
 
-Only sound inputs are read: a record that fails the integrity check (agent/integrity.py: chain,
+Only sound inputs are read: a record that fails the integrity check (agent/record/integrity.py: chain,
 seal, and the final object holding the data its finish step wrote), an unreadable one, two
 records claiming one sample name, a final object without counts, are left out by name with the
 reason, as unfinished samples are; none of them stops the others.
@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 
 from agent import say
-from agent.layout import RECORD, SampleLayout
+from agent.record.layout import RECORD, SampleLayout
 
 METHODS = ("none", "harmony")  # bbknn needs annoy, which PyPI has only as source (a compiler)
 LIBRARY = {"none": "scanpy", "harmony": "harmonypy"}
@@ -102,9 +102,9 @@ def finished_inputs(world_states: list[Path]) -> tuple[list[InputRecord], dict[s
     so a final object copied under another sample's name is caught), their records and final
     objects by sha256; and, for each one left out, why. A sample name that two records claim
     is left out under both: neither can be told to be the sample's."""
-    from agent.integrity import check_record
-    from agent.provenance import file_sha256
-    from agent.world_state import WorldState
+    from agent.record.integrity import check_record
+    from agent.record.provenance import file_sha256
+    from agent.record.world_state import WorldState
 
     found, skipped, claimed = [], {}, {}
     for path in world_states:
@@ -298,7 +298,7 @@ def write_not_integrated(
     """The summary of a cohort not integrated (by default: too few finished samples); an
     earlier integration's object and plots go, so that nothing in OUTDIR claims an integration
     of this cohort."""
-    from agent.durable import atomic_write_json
+    from agent.record.durable import atomic_write_json
 
     for stale in (OBJECT, *PLOTS.values()):
         (outdir / stale).unlink(missing_ok=True)
@@ -329,8 +329,8 @@ def integrate(
         return write_not_integrated(records, outdir, options, left_out)
     import scanpy as sc
 
-    from agent.durable import atomic_write_h5ad, atomic_write_json
-    from agent.report import Progress  # a line per stage: hundreds of samples take minutes
+    from agent.record.durable import atomic_write_h5ad, atomic_write_json
+    from agent.say import Progress  # a line per stage: hundreds of samples take minutes
     from agent.tools.annotate import annotate_clusters
     from agent.tools.celltypist_annotate import annotate_celltypist
     from agent.tools.cluster import leiden

@@ -90,8 +90,8 @@ def _cohort_object(cohort_dir: Path | None, records: list[InputRecord]) -> tuple
 def read_cells(records: list[InputRecord], cohort_dir: Path | None = None) -> Cells:
     """Every cell's sample and label, from the cohort object in ``cohort_dir`` when it
     integrated exactly ``records``, else from each record's final object."""
-    from agent.provenance import file_sha256
-    from agent.report.collect import read_obs
+    from agent.record.collect import read_obs
+    from agent.record.provenance import file_sha256
 
     obj, why = _cohort_object(cohort_dir, records)
     if obj is not None:

@@ -111,7 +111,7 @@ def shipped_file(real: RealSet) -> Path | None:
 
 
 def write_truth(labels: pd.Series, path: Path) -> None:
-    """truth.tsv (agent/report/truth.py's columns): published labels; no planted defects."""
+    """truth.tsv (agent/record/truth.py's columns): published labels; no planted defects."""
     truth = pd.DataFrame({"barcode": labels.index, "cell_type": labels.to_numpy()})
     for flag in ("is_doublet", "is_damaged", "is_empty"):
         truth[flag] = False

@@ -292,24 +292,27 @@ DEMO_COHORT: dict[str, SampleSpec] = {
             },
             description="larger, T-cell-rich, shallower, more doublets, 10x .h5",
         ),
-        # a condition: pbmc1's biology in replicates, two of them treated (config/samples.tsv)
+        # a condition: pbmc1's biology in replicates, two of them treated (config/samples.tsv).
+        # Their ambient loads differ but average the same in each condition (control 0 and 0.15,
+        # treated 0.05 and 0.1), so the load is no proxy for the condition in the tests of it.
         SampleSpec(
             "pbmc4", 1600, seed=404, format="h5ad", damaged_fraction=0.06, profile_seed=101,
+            ambient_fraction=0.15,
             composition={**PBMC_COMPOSITION, "CD14 Mono": 0.22, "CD4 naive T": 0.31},
-            description="pbmc1's biology, another donor (control), .h5ad",
+            description="pbmc1's biology, another donor (control), 15% ambient RNA, .h5ad",
         ),
         SampleSpec(
             "pbmc5", 1700, seed=505, format="mtx", damaged_fraction=0.1, profile_seed=101,
-            condition_effect=True,
+            condition_effect=True, ambient_fraction=0.05,
             composition={**PBMC_COMPOSITION, "CD4 naive T": 0.37, "CD8 effector-memory T": 0.11},
             description="pbmc1's biology, treated: interferon response in CD14 monocytes and "
-            "CD4 naive T cells, 2.5-fold B-cell share, 10x mtx folder",
+            "CD4 naive T cells, 2.5-fold B-cell share, 5% ambient RNA, 10x mtx folder",
         ),
         SampleSpec(
             "pbmc6", 1800, seed=606, format="h5", damaged_fraction=0.05, profile_seed=101,
-            condition_effect=True,
+            condition_effect=True, ambient_fraction=0.1,
             composition={**PBMC_COMPOSITION, "CD14 Mono": 0.17, "NK": 0.11},
-            description="pbmc1's biology, treated, another donor, 10x .h5",
+            description="pbmc1's biology, treated, another donor, 10% ambient RNA, 10x .h5",
         ),
     )
 }  # fmt: skip
@@ -464,7 +467,7 @@ def simulate(spec: SampleSpec) -> tuple[ad.AnnData, pd.DataFrame]:
             "is_empty": np.r_[np.zeros(spec.n_cells, bool), np.ones(n_empty, bool)],
         }
     )
-    if spec.ambient_fraction > 0:  # the column only where a load was planted: demo files stay
+    if spec.ambient_fraction > 0:  # the column only where a load was planted: others as before
         truth["ambient_fraction"] = planted
     order = rng.permutation(n)  # barcodes in no particular order, as a real matrix
     truth = truth.iloc[order].reset_index(drop=True)

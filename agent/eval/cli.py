@@ -65,11 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Exit status 0 when the evaluation ran (whatever the score); 1 when the server failed it;
     2 for options that cannot work."""
+    from agent.endpoint import PolicyUnavailable
     from agent.eval.page import render
     from agent.eval.run import evaluate
-    from agent.policies.base import PolicyUnavailable
+    from agent.record.durable import publish
     from agent.registry import InfrastructureError
-    from agent.report import publish
 
     named = args.endpoint_file or (args.base_url and args.model)
     if args.policy == "llm" and not args.regenerate_points and not named:

@@ -36,7 +36,7 @@ def _flags(flags: list[dict[str, Any]]) -> str:
 
 
 def render(doc: dict[str, Any]) -> str:
-    from agent.report.html import asset, templates
+    from agent.pages import asset, templates
 
     model = doc["model"]
     counts: dict[str, int] = {}

@@ -185,7 +185,7 @@ class Walk:
 
     def advance(self, call: Any) -> Any:
         """Run the recipe's call on the session and record it."""
-        from agent.world_state import Entry
+        from agent.record.world_state import Entry
 
         before = self.session.digest()
         outcome = self.registry.call(call.name, call.arguments, self.session)

@@ -23,7 +23,7 @@ from agent.eval import cases as case_builds
 from agent.eval import points as decision_points
 from agent.eval.scoring import judge, settle
 from agent.policies.base import Decision, PromptTooLong, ToolCall
-from agent.provenance import now, versions
+from agent.record.provenance import now, versions
 
 
 @dataclass
@@ -64,9 +64,9 @@ def walk_case(name: str, input_path: Path, folder: Path, args: Any, asked: Asked
     from agent.context import ContextManager, TokenCounter, tokenizer_estimate
     from agent.policies import make_policy
     from agent.prompts import BRIEF, SYSTEM_PROMPT
+    from agent.record.world_state import WorldState
     from agent.tools import build_registry
     from agent.tools.session import Session
-    from agent.world_state import WorldState
 
     registry = build_registry()
     session = Session(folder / "walk", seed=args.seed, input_path=input_path)
@@ -134,8 +134,8 @@ def end_to_end(name: str, input_path: Path, folder: Path, args: Any) -> dict[str
     """The model's own analysis of a case, scored: how it ended, its checks, and its clusters
     and labels against the planted or published truth."""
     from agent.checks import worst
+    from agent.record.world_state import WorldState
     from agent.runner import run_sample
-    from agent.world_state import WorldState
 
     outdir = folder / "run"
     # an earlier evaluation's analysis here would be kept by the runner (same settings) or
@@ -175,7 +175,7 @@ def _truth_scores(input_path: Path, final: Path, key: str) -> dict[str, Any]:
     import anndata as ad
 
     from agent.data.real import PUBLISHED_TYPES, per_type_agreement
-    from agent.report.truth import read_truth, score
+    from agent.record.truth import read_truth, score
 
     truth_file = case_builds.truth(input_path)
     if truth_file is None:
@@ -225,8 +225,10 @@ def evaluate(args: Any) -> dict[str, Any]:
         stale += decision_points.differences(pts, kept.get(name, []))
         right = sum(v["acceptable"] for v in found)
         summary[name] = {"evaluated": True, "points": len(pts), "acceptable": right}
-        said = f"{len(pts)} decision points" if args.regenerate_points else (
-            f"{right}/{len(found)} decisions acceptable"
+        said = (
+            f"{len(pts)} decision points"
+            if args.regenerate_points
+            else (f"{right}/{len(found)} decisions acceptable")
         )
         print(f"agent eval: {name}: {said}", file=sys.stderr)
     if args.regenerate_points:
@@ -273,8 +275,8 @@ def evaluate(args: Any) -> dict[str, Any]:
 
 
 def _rows(record: str) -> list[dict[str, Any]]:
-    from agent.durable import read_appended_rows
-    from agent.layout import SampleLayout
+    from agent.record.durable import read_appended_rows
+    from agent.record.layout import SampleLayout
 
     path = SampleLayout(Path(record).parent).metrics
     return read_appended_rows(path) if path.exists() else []

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.eval.points import KIND_OF_TOOL, Point
-from agent.layout import SampleLayout
+from agent.record.layout import SampleLayout
 from agent.registry import ToolRegistry, jsonable
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from agent.config import RunConfig
 from agent.policies.base import DEFAULT_MAX_TOKENS, Policy
+from agent.record.models import RunMeta
 from agent.registry import ToolRegistry
 
 
@@ -17,7 +18,8 @@ class PolicySetup:
     policy: Policy
     context_limit: int | None = None  # the server's max_model_len, when it tells one
     tokenizer: str | None = None  # where the model's tokenizer lies, when on this file system
-    meta: dict[str, Any] = field(default_factory=dict)  # model, server, flags, sampling
+    # model, server, flags, sampling (agent.record.models.RunMeta.part)
+    meta: dict[str, Any] = field(default_factory=dict)
     max_tokens: int = DEFAULT_MAX_TOKENS  # the completion budget a reply gets (context reserve)
     history_reasoning: str = "none"  # which earlier thoughts the history sends back (catalogue)
 
@@ -31,7 +33,7 @@ def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
         return PolicySetup(ReferencePolicy(registry))
     if config.policy == "replay":
         from agent.policies.replay import ReplayPolicy
-        from agent.world_state import WorldState
+        from agent.record.world_state import WorldState
 
         return PolicySetup(ReplayPolicy(WorldState.load(config.world_state)))
     from agent.endpoint import read_api_key, read_endpoint, wait_until_ready
@@ -42,15 +44,15 @@ def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
     if config.endpoint_file:
         ep = read_endpoint(config.endpoint_file)
         url, model, key = ep.url, ep.model, ep.api_key
-        meta["server_flags"] = ep.flags
-        meta["server"] = {k: ep.info[k] for k in SERVER_FIELDS if ep.info.get(k) is not None}
+        server = {k: ep.info[k] for k in SERVER_FIELDS if ep.info.get(k) is not None}
+        meta.update(RunMeta.part(server_flags=ep.flags, server=server))
         # absent from older endpoint files: then today's defaults (greedy, 1024, no switch)
         family = ep.info.get("family") or {}
         tokenizer = config.tokenizer or ep.info.get("model_path")
     else:
         url, model, tokenizer = config.base_url, config.model, config.tokenizer
         key = read_api_key(config.api_key_file) if config.api_key_file else "EMPTY"
-    meta["model"] = model
+    meta.update(RunMeta.part(model=model))
     key_file = ep.key_file if config.endpoint_file else config.api_key_file
     wait_until_ready(
         url,
@@ -77,7 +79,7 @@ def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
         endpoint_file=config.endpoint_file,
         key_file=key_file,
     )
-    meta["sampling"] = {
+    sampling = {
         **policy.sampling,
         "max_tokens": policy.max_tokens,
         "thinking": bool(family.get("thinking"))
@@ -88,6 +90,7 @@ def make_policy(config: RunConfig, registry: ToolRegistry) -> PolicySetup:
         .get("thinking_token_budget"),
         "history_reasoning": family.get("history_reasoning", "none"),
     }
+    meta.update(RunMeta.part(sampling=sampling))
     return PolicySetup(
         policy,
         policy.context_limit(),

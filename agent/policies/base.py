@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from agent.world_state import WorldState
+    from agent.record.world_state import WorldState
 
 DEFAULT_MAX_TOKENS = 1024  # a reply's budget when neither the run nor the model's family sets one
 
@@ -60,15 +60,6 @@ class PromptTooLong(Exception):
     def __init__(self, message: str, prompt_tokens: int | None = None):
         super().__init__(message)
         self.prompt_tokens = prompt_tokens
-
-
-class PolicyUnavailable(Exception):
-    """The decider cannot be reached or used: it stayed unreachable past its wait, or refused us
-    at once (a wrong key, a stale endpoint); ``outages`` as in ``Decision.outages``."""
-
-    def __init__(self, message: str, outages: list[dict[str, Any]] | None = None):
-        super().__init__(message)
-        self.outages = outages or []
 
 
 class Policy(Protocol):

@@ -11,17 +11,16 @@ from typing import Any, TextIO
 
 import openai
 
-from agent.endpoint import EndpointError, KeyRefused, describe, read_endpoint
+from agent.endpoint import EndpointError, KeyRefused, PolicyUnavailable, describe, read_endpoint
 from agent.policies.base import (
     DEFAULT_MAX_TOKENS,
     Decision,
-    PolicyUnavailable,
     PromptTooLong,
     Timing,
     ToolCall,
     Usage,
 )
-from agent.world_state import WorldState
+from agent.record.world_state import WorldState
 
 _TOO_LONG = re.compile(r"maximum context length|context length|too long", re.I)
 _TOKENS = re.compile(r"(\d+) (?:input )?tokens", re.I)

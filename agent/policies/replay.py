@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 
 from agent.policies.base import Decision, ToolCall
-from agent.world_state import WorldState
+from agent.record.world_state import WorldState
 
 
 class ReplayPolicy:

@@ -7,14 +7,11 @@ from typing import Any
 import orjson
 import pandas as pd
 
-from agent.report.checks import COLUMNS as CHECK_COLUMNS
-from agent.report.collect import MODEL_PROVENANCE, Sample, seconds_between
-from agent.tool_kinds import TOOL_KINDS
+from agent.record.checks import COLUMNS as CHECK_COLUMNS
+from agent.record.collect import MODEL_PROVENANCE, Sample, chosen_parameters, seconds_between
+from agent.tool_declarations import DECLARED
 
-# Tools that leave the data as they were: their parameters are bookkeeping (file names, prose),
-# not analysis choices.
-NOT_CHOICES = frozenset(name for name, spec in TOOL_KINDS.items() if not spec.mutates)
-CELL_FILTERS = tuple(name for name, spec in TOOL_KINDS.items() if spec.kind == "cell_filter")
+CELL_FILTERS = tuple(name for name, declared in DECLARED.items() if declared.kind == "cell_filter")
 OUTCOME_COLUMNS = (
     "sample", "status", "error", "drift", "outliers", *CHECK_COLUMNS, "input", "input_sha256",
     "policy", "model", *MODEL_PROVENANCE, "reference_annotation", "server_flags", "seed", "steps",
@@ -41,20 +38,6 @@ def _sum_results(sample: Sample, tools: tuple[str, ...], key: str) -> Any:
     return _total(
         [(e.result or {}).get(key) for e in sample.entries if e.status == "ok" and e.tool in tools]
     )
-
-
-def chosen_parameters(sample: Sample) -> dict[str, Any]:
-    """``tool.param`` -> value of the last successful call of each analysis tool, in call order;
-    a filter applied more than once shows the thresholds in force, the strictest of its
-    applications (its filter_repeated check)."""
-    latest = {e.tool: e for e in sample.entries if e.status == "ok" and e.tool not in NOT_CHOICES}
-    ordered = sorted(latest.values(), key=lambda e: e.step)
-    repeated = sample.checks.repeated_filters()
-    return {
-        f"{e.tool}.{k}": v
-        for e in ordered
-        for k, v in {**e.params, **repeated.get(e.tool, {}).get("effective", {})}.items()
-    }
 
 
 def labels_found(sample: Sample) -> str | None:

@@ -32,10 +32,10 @@ from rocrate.rocrate import ROCrate
 
 from agent.cohort.compare import TSV, input_records
 from agent.cohort.integrate import SUMMARY, is_integrated, read_summary
-from agent.layout import SampleLayout
-from agent.provenance import versions
-from agent.report.checks import SOURCES
-from agent.report.collect import Sample
+from agent.record.checks import SOURCES
+from agent.record.collect import Sample
+from agent.record.layout import SampleLayout
+from agent.record.provenance import versions
 from agent.report.evaluation import Evaluation
 
 PROFILES = {
@@ -135,7 +135,7 @@ def _model_settings(crate: ROCrate, sample: Sample) -> list[ContextEntity]:
 
 
 def _checks(crate: ROCrate, sample: Sample, base: SampleLayout) -> list[ContextEntity]:
-    """The checks of a sample's decisions (agent/report/checks.py) among its analysis' results:
+    """The checks of a sample's decisions (agent/record/checks.py) among its analysis' results:
     every check, with its evidence, in ``samples/NAME/checks.json``; each that was refused or
     warned also as a PropertyValue (name: the rule and step, value: the verdict, description:
     the message), so a reader of the metadata alone sees them. None without a record."""

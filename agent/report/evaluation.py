@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 if TYPE_CHECKING:
-    from agent.report.collect import Sample
+    from agent.record.collect import Sample
 
 JSON, HTML = "eval.json", "eval.html"  # as `agent eval` writes them, and the report's copies
 
@@ -59,7 +59,7 @@ def _sample_models(samples: list[Sample]) -> set[tuple[str | None, str | None, s
 def include(path: Path | None, samples: list[Sample], outdir: Path) -> Evaluation | None:
     """The evaluation at ``path`` judged against ``samples``, and copied into ``outdir`` when it
     is of their model; None without one. ValueError for a file that is not an evaluation."""
-    from agent.report import publish
+    from agent.record.durable import publish
 
     doc = read(path) if path is not None else None
     found = judge(path, doc, samples) if doc is not None else None

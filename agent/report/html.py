@@ -12,23 +12,21 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import math
 import re
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib import resources
 from typing import Any
 
-import jinja2
 import orjson
 import pandas as pd
 
 from agent.checks import RULES
-from agent.report.checks import SOURCES, SampleChecks, label_flags
+from agent.pages import asset, fmt, templates
+from agent.record.checks import SOURCES, SampleChecks, label_flags
+from agent.record.collect import Sample
 from agent.report.cohort import ambient_said, doublets_said, labels_found
-from agent.report.collect import Sample
 from agent.report.drift import Flag
 from agent.report.plots import Figure, png_file
 
@@ -69,19 +67,6 @@ VERDICT_CLASS = {"pass": "good", "warn": "warn", "refused": "bad"}
 EMPTY = {"none": "No record, no checks.", "record": "No step made a decision that is checked."}
 COHORT_FLAGS = ("parameter drift", "outcome outlier")  # a sample's flags against the cohort
 REPLAY_STEPS_SHOWN = 6  # after a divergence most later steps differ too; replay.json lists all
-
-
-def fmt(value: Any) -> str:
-    """A cell as people read it: no 'nan', floats to 4 significant digits."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, dict | list):
-        return orjson.dumps(value).decode()
-    return str(value)
 
 
 def page_names(names: list[str]) -> dict[str, str]:
@@ -409,24 +394,6 @@ def _cell(ctx: Context, rec: dict[str, Any], key: str) -> tuple[str, str, str, s
     if key in CUT and len(text) > CUT[key]:
         return text[: CUT[key]] + "…", classes, text, None
     return text, classes, flag, None
-
-
-def templates() -> jinja2.Environment:
-    """The report's Jinja templates, which the comparison page (agent/cohort/compare.py) shares."""
-    return jinja2.Environment(
-        loader=jinja2.FunctionLoader(
-            lambda name: resources.files("agent.report").joinpath("templates", name).read_text()
-        ),
-        autoescape=True,
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-
-
-def asset(name: str) -> str:
-    """A file beside the templates (style.css, index.js), inlined into self-contained pages."""
-    return resources.files("agent.report").joinpath("templates", name).read_text()
 
 
 def script_hash(script: str) -> str:

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from agent.durable import read_appended_rows
-from agent.report.collect import Sample
+from agent.record.collect import Sample
+from agent.record.durable import read_appended_rows
 from agent.serve import metrics
 
 # Below these the layer is said to underdeliver

@@ -19,16 +19,16 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from agent.report.collect import Sample
+from agent.record.collect import Sample
 from agent.report.drift import Flag, numeric
 from agent.report.performance import Shard
-from agent.tool_kinds import TOOL_KINDS
+from agent.tool_declarations import DECLARED
 
 KEPT, REMOVED, FAILED, FLAGGED, MEDIAN = "#2b6cb0", "#cbd5e0", "#c53030", "#dd6b20", "#718096"
 PARTIAL = "#b7791f"  # amber: neither finished nor failed
 # the filters' thresholds: QC parameters in the cohort figures
 QC_TOOLS = tuple(
-    name for name, spec in TOOL_KINDS.items() if spec.kind in ("cell_filter", "gene_filter")
+    name for name, declared in DECLARED.items() if declared.kind in ("cell_filter", "gene_filter")
 )
 # The report's look, applied only while its figures are drawn: a global change would also restyle
 # the sample plots of any analysis run in the same process (and change their recorded bytes).

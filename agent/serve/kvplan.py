@@ -21,11 +21,12 @@ padded); ``tests/test_families_vllm.py`` and ``tests/test_serve_mtp_cpu.py`` che
 the capacity vLLM reports at start-up within ``VLLM_TOLERANCE``.
 
 The inputs come from the flags `agent serve` chooses (``flags.select_flags``), which `agent plan`
-(``plan_cli.py``) prints as a table.
+(``plan_cli.py``) prints as a table (``kvplan_text.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,7 +41,6 @@ GPU_OVERHEAD_GIB = 2.0
 DEFAULT_UTILIZATION = 0.90
 MIN_CONTEXT = 1024  # below this an agent cannot hold its tools and instructions
 CONTEXT_STEP = 256  # max-model-len is rounded down to a multiple of this
-TABLE_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
 # what the plan leaves to vLLM (a non-hybrid's rounding to whole blocks): the tests hold the plan
 # to this against vLLM's own start-up figure (measured: 0.2% for Gemma 3 and 4, under 0.1% for
 # Qwen3.5 with and without MTP)
@@ -91,6 +91,9 @@ def read_drafter(model: str, method: str | None = None) -> Drafter:
 
 @dataclass(frozen=True)
 class KVPlan:
+    """One plan's figures and the arithmetic on them (what a sequence of some length holds, how
+    many fit); ``kvplan_text`` puts them in words."""
+
     shape: ModelShape
     gpu: GPU
     params: int
@@ -157,250 +160,15 @@ class KVPlan:
         """Sequences of ``tokens`` the KV budget holds at once (vLLM's "maximum concurrency")."""
         return self.kv_budget_gib * GIB / self.sequence_bytes(tokens)
 
-    def layer_summary(self) -> str:
-        s = self.shape
-        parts = [
-            f"{s.count(k)} {name}"
-            for k, name in (
-                ("full", "full attention"),
-                ("sliding", f"sliding window {s.sliding_window}"),
-                ("linear", "linear attention"),
-            )
-            if s.count(k)
-        ]
-        return f"{s.num_layers} layers: " + ", ".join(parts)
-
-    def per_token_formula(self) -> str:
-        s = self.shape
-        if s.is_mla:
-            attn = s.count("full") + s.count("sliding")
-            copies = f" x {self.tp} GPUs (replicated)" if self.tp > 1 else ""
-            return (
-                f"{attn} layers x (kv_lora_rank {s.kv_lora_rank} + rope {s.qk_rope_head_dim})"
-                f" x {self.kv_bytes:g} B (MLA latent){copies}"
-            )
-        terms = []
-        for kind in ("full", "sliding"):
-            if not s.count(kind):
-                continue
-            heads = s.kv_heads(kind)
-            shown = f"{heads}" if heads >= self.tp else f"{self.tp} (replicated {heads})"
-            terms.append(
-                f"{s.count(kind)} {kind} layers x {shown} KV heads x {s.layer_head_dim(kind)}"
-                f" head dim x 2 (K,V) x {self.layer_kv_bytes(kind):g} B"
-            )
-        return " + ".join(terms)
-
     def layer_kv_bytes(self, kind: str) -> float:
         """Bytes of one KV element in ``kind`` layers (sliding ones may keep the model's dtype)."""
         if kind == "sliding" and self.sliding_kv_bytes is not None:
             return self.sliding_kv_bytes
         return self.kv_bytes
 
-    def kv_summary(self) -> str:
-        """Bytes per token of the layers that grow with every token, and of the windowed ones."""
-        s = self.shape
-        full = self.full_bytes_per_token()
-        text = f"{full:,.0f} B/token ({self.kv_dtype}) in {s.count('full')} full-attention layers"
-        if self.mtp_layers:
-            text += (
-                f" + the same per token in {self.mtp_layers} MTP layer(s), which keep KV while"
-                f" drafting {self.speculative_tokens} token(s)"
-            )
-        if s.count("sliding"):
-            sliding = s.count("sliding") * s.kv_bytes_per_token_per_layer(
-                self.layer_kv_bytes("sliding"), "sliding", self.tp
-            )
-            held = s.sliding_tokens(self.max_model_len, self.in_flight)
-            why = (
-                "the whole prompt is prefilled in one step"
-                if self.in_flight is None
-                else f"window {s.sliding_window:,} - 1 + {self.in_flight:,} tokens in flight"
-            )
-            text += (
-                f" + {sliding:,.0f} B/token in {s.count('sliding')} sliding-window layers that keep"
-                f" at most {held:,} tokens ({why})"
-            )
-        if s.linear is not None:
-            text += (
-                f" + {self.linear_states} x {self.linear_state_mib():,.1f} MiB of"
-                f" linear-attention state per sequence ({self.linear_states_reason()})"
-            )
-            if s.count("full") + self.mtp_layers:
-                text += f", {self.pages()}"
-        return f"{text}; {self.per_token_formula()}"
-
     def linear_state_mib(self) -> float:
         """One sequence's state over the linear layers, as this platform keeps it."""
         return self.shape.linear_state_bytes(self.speculative_tokens, self.gpu.is_cpu) / 2**20
-
-    def pages(self) -> str:
-        """How vLLM pages a hybrid's cache (``ModelShape.hybrid_layout``), in words."""
-        s = self.shape
-        block, full, linear = s.hybrid_layout(
-            self.kv_bytes, self.tp, self.mtp_layers, self.speculative_tokens, self.gpu.is_cpu
-        )
-        padded = s.count("linear") != linear or s.count("full") + self.mtp_layers != full
-        return f"in vLLM's pages: {block:,}-token attention blocks, each page one layer's state" + (
-            f"; layers grouped as {full} attention and {linear} linear, padding included"
-            if padded
-            else ""
-        )
-
-    def drafter_summary(self) -> str | None:
-        """The drafter's share of the GPU memory and why, or None without a drafter."""
-        d = self.drafter
-        if d is None:
-            return None
-        weights = f"weights {self.drafter_weights_gib:.1f} GiB"
-        if d.shape is None:
-            kv = f"{self.drafter_sequence_bytes(1):,.0f} B/token of its own KV"
-            stand_in = (
-                f"one of the model's own MTP layers, as vLLM's mtp method runs it: {weights},"
-                f" {kv} (one full-attention layer)"
-                if d.method == "mtp"
-                else f"{weights} ({STAND_IN_WEIGHTS_SHARE:.0%} of the model's; drafters worth"
-                f" running are a few per cent of their target) and {kv} (as much as the model's"
-                " full-attention layers: a drafter is no deeper or wider than its target)"
-            )
-            return (
-                f"{d.model}: its config.json cannot be read ({d.missing}); planned with a stand-in"
-                f" until it is: {stand_in}"
-            )
-        s = d.shape
-        held = f"{s.num_layers} layers, {s.param_count() / 1e9:.2f} B parameters"
-        if not d.holds_kv:
-            return (
-                f"{d.model} ({held}): {weights}; no KV of its own (its layers read the model's"
-                f" KV cache: vLLM's {s.raw.get('model_type')} path)"
-            )
-        per_token = s.kv_bytes_per_token(self.kv_bytes, self.tp, self.sliding_kv_bytes)
-        length = self.max_model_len
-        return (
-            f"{d.model} ({held}): {weights} and its own KV cache, {per_token:,.0f} B/token"
-            f" ({self.kv_dtype}) in its attention layers:"
-            f" {self.drafter_sequence_bytes(length) / GIB:.2f} GiB of each {length:,}-token"
-            f" sequence's {self.sequence_bytes(length) / GIB:.2f} GiB"
-        )
-
-    def linear_states_reason(self) -> str:
-        k = self.speculative_tokens
-        drafted = f" + {k} drafted" if k else ""
-        if self.linear_states == 2 + k:
-            return f"prefix caching keeps the running and the last block-aligned state{drafted}"
-        return f"the running state{drafted}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.shape.source,
-            "model_type": self.shape.model_type,
-            "layers": self.layer_summary(),
-            "params": self.params,
-            "weight_dtype": self.weight_dtype,
-            "weights_gib": round(self.weights_gib, 2),
-            "gpu": self.gpu.to_dict(),
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "overhead_gib": self.overhead_gib,
-            "kv_dtype": self.kv_dtype,
-            "kv_budget_gib": round(self.kv_budget_gib, 2),
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "kv_formula": self.per_token_formula(),
-            "tensor_parallel": self.tp,
-            "linear_state_bytes_per_seq": self.linear_states
-            * self.shape.linear_state_bytes(self.speculative_tokens, self.gpu.is_cpu),
-            "linear_states_per_seq": self.linear_states,
-            "mtp_kv_layers": self.mtp_layers,
-            "sliding_in_flight_tokens": self.in_flight,
-            "speculative_tokens": self.speculative_tokens,
-            "drafter": None
-            if self.drafter is None
-            else {
-                "model": self.drafter.model,
-                "config_read": self.drafter.shape is not None,
-                "weights_gib": round(self.drafter_weights_gib, 2),
-                "kv_bytes_at_max_model_len": self.drafter_sequence_bytes(self.max_model_len),
-                "reason": self.drafter_summary(),
-            },
-            "tokens_fit": self.tokens_fit,
-            "agents": self.agents,
-            "context_per_agent": self.context_per_agent,
-            "max_model_len": self.max_model_len,
-            "max_num_seqs": self.max_num_seqs,
-            "seqs_fit_at_max_len": self.seqs_fit_at_max_len,
-        }
-
-    def table(self) -> str:
-        s, g = self.shape, self.gpu
-        if g.is_cpu:
-            budget = f"{self.kv_budget_gib:.1f} GiB (VLLM_CPU_KVCACHE_SPACE)"
-        else:
-            drafter = (
-                f" - drafter {self.drafter_weights_gib:.1f}" if self.drafter is not None else ""
-            )
-            budget = (
-                f"{self.kv_budget_gib:.1f} GiB = {g.count} x {g.memory_gib:g} GiB x "
-                f"{self.gpu_memory_utilization:g} - weights {self.weights_gib:.1f}{drafter}"
-                f" - overhead {self.overhead_gib:g}"
-            )
-        rows = [
-            ("model", f"{s.source} ({s.model_type}, {self.layer_summary()})"),
-            (
-                "parameters",
-                f"{self.params / 1e9:.2f} B, {self.weight_dtype} weights: {self.weights_gib:.1f} GiB",
-            ),
-            ("device", g.label()),
-            ("KV cache budget", budget),
-            (
-                "KV bytes/token",
-                f"{self.kv_bytes_per_token:,.0f} B ({self.kv_dtype}) = {self.per_token_formula()}",
-            ),
-        ]
-        if s.count("sliding"):
-            rows.append(
-                (
-                    "sliding window",
-                    f"{s.count('sliding')} layers keep at most {s.sliding_window} tokens",
-                )
-            )
-        if s.linear is not None:
-            rows.append(
-                (
-                    "linear state",
-                    f"{self.linear_states} x {self.linear_state_mib():,.1f} MiB per"
-                    f" sequence, any length ({self.linear_states_reason()})",
-                )
-            )
-        if self.mtp_layers:
-            rows.append(
-                (
-                    "MTP",
-                    f"{self.mtp_layers} layer(s) draft {self.speculative_tokens} token(s): their"
-                    " weights, and KV per token as a full-attention layer",
-                )
-            )
-        if self.drafter is not None:
-            rows.append(("drafter", self.drafter_summary()))
-        rows += [
-            ("tokens that fit", f"{self.tokens_fit:,} (every attention layer holding every token)"),
-            (
-                "agents",
-                f"{self.agents} -> {self.context_per_agent:,} tokens of context each"
-                f" (model max {s.max_position_embeddings or 'unknown'})",
-            ),
-            (
-                "max-model-len",
-                f"{self.max_model_len:,}  ({self.seqs_fit_at_max_len} sequences of it fit;"
-                f" max-num-seqs {self.max_num_seqs})",
-            ),
-        ]
-        width = max(len(k) for k, _ in rows)
-        lines = [f"{k:<{width}}  {v}" for k, v in rows]
-        lines += ["", f"{'context':>10}  {'agents that fit':>15}  {'GiB per agent':>13}"]
-        limit = s.max_position_embeddings or max(TABLE_CONTEXTS)
-        for ctx in [c for c in TABLE_CONTEXTS if c <= limit]:
-            per = self.sequence_bytes(ctx) / GIB
-            lines.append(f"{ctx:>10,}  {self.seqs_fit(ctx):>15,}  {per:>13.2f}")
-        return "\n".join(lines)
 
 
 def _full_bytes_per_token(shape: ModelShape, kv_bytes: float, tp: int) -> float:
@@ -518,42 +286,18 @@ def plan_capacity(
     weights and own KV share the GPUs."""
     if agents < 1:
         raise ValueError(f"agents {agents}: expected at least 1")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization}: expected 0 < u <= 1")
     vision = shape.vision_params if not language_model_only else 0
     mtp_layers = shape.mtp_layers if mtp and speculative_tokens else 0
-    n_params = params if params is not None else shape.param_count() - shape.vision_params + vision
-    if params is None and mtp_layers:
-        n_params += shape.mtp_params()
-    wbytes = _bytes_for(
-        weight_dtype, 1 if shape.checkpoint_fp8 else shape.dtype_bytes, "weight dtype"
-    )
+    n_params, wbytes, weights_gib = _weights(shape, params, weight_dtype, vision, mtp_layers)
     kbytes = _bytes_for(kv_dtype, shape.dtype_bytes, "KV cache dtype")
     sliding_bytes = shape.dtype_bytes if skip_sliding and kbytes < shape.dtype_bytes else None
-    weights_gib = _weights_gib(shape, n_params, wbytes, vision)
     drafter_gib = _drafter_weights_gib(drafter, shape, weights_gib)
     tp = 1 if gpu.is_cpu else gpu.count
-    if gpu.is_cpu:  # weights live in host RAM beside a fixed KV space
-        overhead, budget = 0.0, gpu.memory_gib
-    else:
-        overhead = GPU_OVERHEAD_GIB * gpu.count
-        budget = (
-            gpu.count * gpu.memory_gib * gpu_memory_utilization
-            - weights_gib
-            - drafter_gib
-            - overhead
-        )
-        if budget <= 0:
-            drafted = f" (+ {drafter_gib:.1f} GiB of drafter)" if drafter else ""
-            raise ValueError(
-                f"{shape.source}: weights need {weights_gib:.1f} GiB{drafted} but {gpu.label()}"
-                f" at utilisation {gpu_memory_utilization:g} leaves"
-                f" {budget + weights_gib + drafter_gib:.1f} GiB; use more GPUs (--gpus) or FP8"
-                " weights"
-            )
-    model_max = shape.max_position_embeddings
+    overhead, budget = _kv_budget_gib(
+        shape, gpu, gpu_memory_utilization, weights_gib, drafter_gib, drafter
+    )
     budget_bytes = budget * GIB
-    held: dict[str, Any] = {
+    held = {
         "in_flight": in_flight_tokens(gpu),
         # vLLM's "align" mode with prefix caching, else one running state, each + drafts
         "linear_states": (2 if prefix_caching else 1) + speculative_tokens,
@@ -565,28 +309,8 @@ def plan_capacity(
     def seq_bytes(tokens: int) -> float:
         return _sequence_bytes(shape, drafter, tokens, kbytes, tp, mtp_layers, {**held, **pages})
 
-    def fits(tokens: int, seqs: int) -> bool:
-        return seqs * seq_bytes(tokens) <= budget_bytes
-
-    # Largest context every one of ``agents`` sequences can hold at once (binary search).
-    lo, hi = 0, model_max or 10_000_000
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid, agents) else (lo, mid - 1)
-    context = lo if lo == model_max else lo - lo % CONTEXT_STEP
-    if max_model_len is None:
-        if context < MIN_CONTEXT:
-            raise ValueError(
-                f"{shape.source}: only {context} tokens per agent fit for {agents} agents on "
-                f"{gpu.label()}; plan fewer agents, more GPUs or an FP8 KV cache"
-            )
-        max_len = context
-    else:
-        if model_max and max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}"
-            )
-        max_len = max_model_len
+    context = _longest_context(seq_bytes, agents, budget_bytes, shape.max_position_embeddings)
+    max_len = _max_model_len(shape, gpu, agents, context, max_model_len)
     seqs_fit = int(budget_bytes // seq_bytes(max_len))
     if seqs_fit < 1:
         raise ValueError(
@@ -596,9 +320,9 @@ def plan_capacity(
         shape=shape,
         gpu=gpu,
         params=n_params,
-        weight_dtype="fp8" if wbytes == 1 else ("bf16" if wbytes == 2 else f"{wbytes:g} B"),
+        weight_dtype=_dtype_name(wbytes),
         weight_bytes=wbytes,
-        kv_dtype="fp8" if kbytes == 1 else ("bf16" if kbytes == 2 else f"{kbytes:g} B"),
+        kv_dtype=_dtype_name(kbytes),
         kv_bytes=kbytes,
         gpu_memory_utilization=gpu_memory_utilization,
         weights_gib=weights_gib,
@@ -616,3 +340,78 @@ def plan_capacity(
         drafter_weights_gib=drafter_gib,
         **held,
     )
+
+
+def _kv_budget_gib(
+    shape: ModelShape,
+    gpu: GPU,
+    utilization: float,
+    weights_gib: float,
+    drafter_gib: float,
+    drafter: Drafter | None,
+) -> tuple[float, float]:
+    """(overhead, KV budget) in GiB: what the GPUs' share leaves after the weights (the model's
+    and a drafter's) and the overhead, or an error saying the weights do not fit."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization {utilization}: expected 0 < u <= 1")
+    if gpu.is_cpu:  # weights live in host RAM beside a fixed KV space
+        return 0.0, gpu.memory_gib
+    overhead = GPU_OVERHEAD_GIB * gpu.count
+    budget = gpu.count * gpu.memory_gib * utilization - weights_gib - drafter_gib - overhead
+    if budget <= 0:
+        drafted = f" (+ {drafter_gib:.1f} GiB of drafter)" if drafter else ""
+        raise ValueError(
+            f"{shape.source}: weights need {weights_gib:.1f} GiB{drafted} but {gpu.label()}"
+            f" at utilisation {utilization:g} leaves"
+            f" {budget + weights_gib + drafter_gib:.1f} GiB; use more GPUs (--gpus) or FP8"
+            " weights"
+        )
+    return overhead, budget
+
+
+def _weights(
+    shape: ModelShape, params: int | None, weight_dtype: str, vision: int, mtp_layers: int
+) -> tuple[int, float, float]:
+    """(parameters, bytes per weight, GiB) of the weights loaded: ``params`` where given, else
+    the config's count with the vision tower loaded (``vision``) and drafting MTP layers."""
+    n_params = params if params is not None else shape.param_count() - shape.vision_params + vision
+    if params is None and mtp_layers:
+        n_params += shape.mtp_params()
+    wbytes = _bytes_for(
+        weight_dtype, 1 if shape.checkpoint_fp8 else shape.dtype_bytes, "weight dtype"
+    )
+    return n_params, wbytes, _weights_gib(shape, n_params, wbytes, vision)
+
+
+def _max_model_len(
+    shape: ModelShape, gpu: GPU, agents: int, context: int, asked: int | None
+) -> int:
+    """The context each agent gets (``asked``, else the longest that fits), or an error saying
+    why it cannot be served."""
+    model_max = shape.max_position_embeddings
+    if asked is None and context < MIN_CONTEXT:
+        raise ValueError(
+            f"{shape.source}: only {context} tokens per agent fit for {agents} agents on "
+            f"{gpu.label()}; plan fewer agents, more GPUs or an FP8 KV cache"
+        )
+    if asked is not None and model_max and asked > model_max:
+        raise ValueError(
+            f"max_model_len {asked} exceeds the model's max_position_embeddings {model_max}"
+        )
+    return context if asked is None else asked
+
+
+def _longest_context(
+    seq_bytes: Callable[[int], float], agents: int, budget_bytes: float, model_max: int | None
+) -> int:
+    """The longest context every one of ``agents`` sequences can hold at once (binary search),
+    rounded down to CONTEXT_STEP unless it is the model's own maximum."""
+    lo, hi = 0, model_max or 10_000_000
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if agents * seq_bytes(mid) <= budget_bytes else (lo, mid - 1)
+    return lo if lo == model_max else lo - lo % CONTEXT_STEP
+
+
+def _dtype_name(nbytes: float) -> str:
+    return "fp8" if nbytes == 1 else ("bf16" if nbytes == 2 else f"{nbytes:g} B")

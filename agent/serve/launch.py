@@ -40,13 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from agent import say
-from agent.durable import write_private
 from agent.endpoint import EndpointError, http_json, probe, write_endpoint
+from agent.record.durable import write_private
 from agent.serve import catalogue as catalogues
 from agent.serve import gpu as gpus
-from agent.serve import hub, status
+from agent.serve import hub, kvplan_text, status
 from agent.serve import metrics as server_metrics
-from agent.serve.flags import Flag, FlagPlan, select_flags
+from agent.serve.flags import select_flags
+from agent.serve.flags.plan import Flag, FlagPlan
 from agent.serve.model_config import ModelConfigError, load_model_config
 
 VLLM_CLI = "vllm.entrypoints.cli.main"  # the `vllm` command's module: `vllm serve MODEL ...`
@@ -514,7 +515,7 @@ def serve(args: argparse.Namespace, plan: FlagPlan, model: hub.ResolvedModel) ->
             ),
             vllm_version=version,
             gpu=plan.gpu.to_dict(),
-            kv_plan=plan.plan.to_dict(),
+            kv_plan=kvplan_text.as_dict(plan.plan),
             timings=timings,
             started_at=started.isoformat(),
             ready_at=dt.datetime.now(dt.UTC).isoformat(),

@@ -14,7 +14,7 @@ import argparse
 import json
 
 from agent import say
-from agent.serve import launch
+from agent.serve import kvplan_text, launch
 from agent.serve.model_config import ModelConfigError
 
 
@@ -32,5 +32,5 @@ def main(args: argparse.Namespace) -> int:
         say.error(str(exc))
         return 2
     plan = chosen.plan
-    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
+    print(json.dumps(kvplan_text.as_dict(plan), indent=1) if args.json else kvplan_text.table(plan))
     return 0

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from agent import say
-from agent.durable import read_appended_rows
 from agent.endpoint import EndpointError, probe, read_info
+from agent.record.durable import read_appended_rows
 from agent.serve import metrics
 
 ACTIONS = {

@@ -21,7 +21,8 @@ from typing import Any
 
 import orjson
 
-from agent.layout import SampleLayout
+from agent.record.layout import SampleLayout
+from agent.tool_declarations import FINISH
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -66,10 +67,10 @@ def copy_cohort(
                 )
             if e["tool"] == "leiden" and e["status"] == "ok":
                 e["result"]["n_clusters"] = max(2, e["result"]["n_clusters"] + rng.randint(-1, 1))
-            if e["tool"] == "finish" and e["status"] == "ok":
+            if e["tool"] == FINISH and e["status"] == "ok":
                 e["result"]["n_cells"] = int(e["result"]["n_cells"] * rng.uniform(0.92, 1.0))
         if failed:
-            copy["entries"] = [e for e in copy["entries"] if e["tool"] != "finish"]
+            copy["entries"] = [e for e in copy["entries"] if e["tool"] != FINISH]
             copy["meta"]["status"] = "step_limit"
             copy["meta"]["error"] = "step limit reached without finish (copy marked failed)"
         dst.record.write_bytes(orjson.dumps(copy))
@@ -96,7 +97,7 @@ def finished_copy(
     import anndata as ad
 
     from agent.digest import digest_adata
-    from agent.world_state import Entry, link, seal
+    from agent.record.world_state import Entry, link, seal
 
     dst = SampleLayout(root / name)
     dst.root.mkdir(parents=True)
@@ -106,7 +107,7 @@ def finished_copy(
         adata.write_h5ad(dst.final)
     doc = orjson.loads(SampleLayout(source).record.read_bytes())
     doc["meta"]["sample"] = name
-    finish = next(e for e in reversed(doc["entries"]) if e["tool"] == "finish")
+    finish = next(e for e in reversed(doc["entries"]) if e["tool"] == FINISH)
     finish["digest_after"] = digest or digest_adata(ad.read_h5ad(dst.final))
     chain = ""
     for e in doc["entries"]:

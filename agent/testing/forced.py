@@ -20,8 +20,8 @@ from typing import Any
 from agent.policies.base import Decision
 from agent.policies.llm import LLMPolicy
 from agent.policies.reference import ReferencePolicy
+from agent.record.world_state import WorldState
 from agent.registry import ToolRegistry
-from agent.world_state import WorldState
 
 _REGEX_SPECIAL = set("\\.^$*+?{}[]|()")
 

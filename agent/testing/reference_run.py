@@ -1,18 +1,26 @@
 """The reference analysis of one sample without the agent loop: the registry driven by the
 ReferencePolicy in a plain for-loop (what the loop does, minus prompts and budgets), for tests and
-benchmarks that need an analysed sample."""
+benchmarks that need an analysed sample, and one tool call as the loop makes it."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from agent.policies.reference import ReferencePolicy
-from agent.provenance import file_sha256
+from agent.record.provenance import file_sha256
+from agent.record.world_state import Entry, WorldState
+from agent.registry import Outcome
+from agent.tool_declarations import FINISH
 from agent.tools import build_registry
 from agent.tools.session import Session
-from agent.world_state import Entry, WorldState
 
 REGISTRY = build_registry()
+
+
+def call_tool(session: Session, tool: str, **args: Any) -> Outcome:
+    """One tool call through the registry, as the loop makes it."""
+    return REGISTRY.call(tool, args, session)
 
 
 def run_reference(
@@ -52,6 +60,6 @@ def run_reference(
             entry.checkpoint = session.after_step(
                 entry.step, outcome.tool, registry.spec(outcome.tool)
             )
-            if outcome.tool in ("finish", stop_after):
+            if outcome.tool in (FINISH, stop_after):
                 break
     return session, world

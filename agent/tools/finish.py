@@ -9,8 +9,9 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from agent.checks import check
-from agent.durable import atomic_write_h5ad
+from agent.record.durable import atomic_write_h5ad
 from agent.registry import Refusal, tool
+from agent.tool_declarations import DECLARED
 from agent.tools.common import sizes
 from agent.tools.session import Session
 
@@ -98,9 +99,7 @@ def finish(
 
 def reaching(stage: str) -> list[str]:
     """The agent's tools declared (``@tool(stage=...)``) to reach ``stage``."""
-    from agent.tools import TOOLS  # the package's list, complete once this module has run
-
-    return [fn.__name__ for fn in TOOLS if fn.spec.stage == stage]
+    return [name for name, declared in DECLARED.items() if declared.stage == stage]
 
 
 def _reached(session: Session) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Reading a sample's counts and writing the analysed AnnData."""
+"""Reading a sample's counts."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ import scanpy as sc
 from scipy import io as spio
 from scipy import sparse
 
-from agent.durable import atomic_write_h5ad
-from agent.layout import PREVIOUS
-from agent.provenance import MTX_FILES, mtx_files
+from agent.record.provenance import MTX_FILES, mtx_files
 from agent.registry import ToolError, tool
 from agent.tools.common import per_row
 from agent.tools.input_size import check_fits
@@ -347,7 +345,7 @@ def _gene_names(
     return column
 
 
-@tool("io", expensive=True)
+@tool("load", expensive=True)
 def load_data(
     session: Session,
     path: str | None = None,
@@ -440,31 +438,3 @@ def _shown(session: Session, source: Path) -> str:
     if session.input_path is not None and source.is_relative_to(session.input_path):
         return str(INPUT / source.relative_to(session.input_path))
     return str(source.relative_to(session.outdir))
-
-
-@tool("io", mutates=False)
-def save(session: Session, path: str = "snapshot.h5ad") -> dict[str, Any]:
-    """Write the current AnnData to an .h5ad file inside the sample's output folder (not the
-    final object, which only finish writes).
-
-    Args:
-        path: File name (or relative path) inside the output folder; must end in .h5ad.
-    """
-    if not path.endswith(".h5ad"):
-        raise ToolError(f"save path {path!r} must end in .h5ad")
-    target = session.path_inside(path)
-    layout = session.layout
-    reserved = (layout.checkpoints, layout.root / PREVIOUS, layout.plots)
-    if target == layout.final or any(target.is_relative_to(r) for r in reserved):
-        raise ToolError(
-            f"save path {path!r} is the run's own: {layout.final.name} is written by finish, and "
-            f"{', '.join(r.name + '/' for r in reserved)} hold checkpoints and earlier analyses"
-        )
-    adata = session.adata
-    atomic_write_h5ad(adata, target)
-    return {
-        "path": str(target.relative_to(session.outdir)),
-        "n_cells": adata.n_obs,
-        "n_genes": adata.n_vars,
-        "bytes": target.stat().st_size,
-    }

@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # batch jobs have no display; set before pyplot loads a b
 import matplotlib.pyplot as plt
 import scanpy as sc
 
-from agent.durable import link_atomically
+from agent.record.durable import link_atomically
 from agent.registry import ToolError, tool
 from agent.tools.common import Key, all_genes
 from agent.tools.session import Session

@@ -10,8 +10,8 @@ from typing import Any
 import anndata as ad
 
 from agent.digest import digest_adata
-from agent.durable import atomic_write_h5ad, atomic_write_json
-from agent.layout import SampleLayout
+from agent.record.durable import atomic_write_h5ad, atomic_write_json
+from agent.record.layout import SampleLayout
 from agent.registry import STAGE_COLUMNS, STAGES, ToolError, ToolSpec
 
 

@@ -19,7 +19,7 @@ later ones' median, from the server's per-request timing), the share of prompt t
 cache, MTP acceptance rate and mean accepted length, and the ratio to "none"; printed and written
 to --out.
 
-    python bench/gpu/layers.py --model Qwen/Qwen3.6-27B [--iterations 24] [--max-tokens 64]
+    python -m bench.gpu.layers --model Qwen/Qwen3.6-27B [--iterations 24] [--max-tokens 64]
 
 --model is a directory or a Hub id in the Hugging Face cache (read offline, as `agent serve`).
 
@@ -37,20 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
-
-import _report
-import _script
-import _server
-
 from agent.policies.llm import LLMPolicy
 from agent.serve import gpu as gpus
 from agent.serve import hub
 from agent.serve import metrics as server_metrics
 from agent.serve.flags import select_flags
 from agent.serve.model_config import load_model_config
+from bench import _report, _script, _server
 
-# (name, the layer in agent/serve/flags.py, the overrides that switch it on); FP8 weights are
+# (name, the layer in agent/serve/flags/, the overrides that switch it on); FP8 weights are
 # quantised online throughout (fp8_checkpoint false): the same checkpoint on every rung, and no
 # published FP8 checkpoint needed in the cache
 LADDER: list[tuple[str, str | None, dict[str, Any]]] = [

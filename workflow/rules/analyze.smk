@@ -1,19 +1,19 @@
-# One agent job per sample: the agent loop with the sample's policy, writing the provenance
-# record, per-step metrics, checkpoints, plots and, when the analysis finishes, the final AnnData
-# (the files' names: agent/layout.py). An analysis that ends unfinished (repeated failures, step
+# One agent job per sample: the agent loop with the sample's policy, writing the provenance record,
+# per-step metrics, checkpoints, plots and, when the analysis finishes, the final AnnData (the
+# files' names: agent/record/layout.py). An analysis that ends unfinished (repeated failures, step
 # limit) still exits 0 with its record: the report shows it as failed. So does a refused input
 # (load_data could not read counts from it, e.g. too few cells or normalised values): `agent run`
 # exits 3, which the job accepts as the sample's result (a retry would end the same way): the log
 # ends with "input refused (exit 3)" and the reason, which the record's meta.error keeps too; a
 # fixed sheet row (its `layer` or `gene_symbols` column) redoes the sample. A fault of the machine
-# (server gone, I/O error, too little memory or disk for the input, SIGTERM at a time limit)
-# exits non-zero; the unfinished record in checkpoints/ lets the retry, with more memory, resume.
-# A rerun of a finished sample with the same settings keeps its record (the same file) and
-# redoes nothing, and publishes again, from their copies beside the checkpoints, the outputs
-# Snakemake deleted (a job failed after the agent ended, e.g. "output older than input" when the
-# input's time is in the future). One results folder per workflow: a folder another run's agent
-# writes stops the workflow before any job (common.smk, analyze_input). Snakemake deletes a job's
-# log before each attempt: every attempt's is also appended to logs/analyze/{sample}.attempts.log.
+# (server gone, I/O error, too little memory or disk for the input, SIGTERM at a time limit) exits
+# non-zero; the unfinished record in checkpoints/ lets the retry, with more memory, resume. A rerun
+# of a finished sample with the same settings keeps its record (the same file) and redoes nothing,
+# and publishes again, from their copies beside the checkpoints, the outputs Snakemake deleted (a
+# job failed after the agent ended, e.g. "output older than input" when the input's time is in the
+# future). One results folder per workflow: a folder another run's agent writes stops the workflow
+# before any job (common.smk, analyze_input). Snakemake deletes a job's log before each attempt:
+# every attempt's is also appended to logs/analyze/{sample}.attempts.log.
 #
 # Declared: the record, the metrics and plots/ (made even when nothing was drawn). Not declared:
 # adata.h5ad, which only a finished analysis writes (Snakemake has no optional outputs, and a

@@ -15,8 +15,8 @@ from snakemake.utils import validate
 # `agent` imports from any working directory: it is installed (scripts/setup.sh), and Snakemake
 # puts the main Snakefile's folder on sys.path.
 from agent.endpoint import EndpointError, read_api_key
-from agent.layout import SampleLayout
-from agent.lock import holder_of
+from agent.record.layout import SampleLayout
+from agent.record.lock import holder_of
 from agent.resume import publish_unless_held
 from agent.samplesheet import SampleSheetError, load_sheet
 
@@ -26,7 +26,7 @@ _BASEDIR = workflow.current_basedir.get_path_or_uri(secret_free=True)
 # the repository, where it is a folder here; None for a remote source (git+file://, https://)
 WORKFLOW_ROOT = None if "://" in _BASEDIR else Path(_BASEDIR).parents[1]
 SAMPLE_SCHEMA = Path(workflow.source_path("../schemas/samples.schema.yaml"))
-# A sample's folder; its files' names come from agent/layout.py.
+# A sample's folder; its files' names come from agent/record/layout.py.
 SAMPLE = SampleLayout("results/samples/{sample}")
 
 validate(config, "../schemas/config.schema.yaml")

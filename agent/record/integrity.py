@@ -1,8 +1,8 @@
 """Whether a record is whole and as its run wrote it, and the final object the one it names.
 
-``check_record`` finds: steps missing or repeated; the first entry whose hash chain does not
-verify (altered, or an entry before it removed); an entry whose data digest before is not the
-previous entry's after; meta that no longer matches its seal; and, for a finished analysis,
+``check_record`` finds: meta that does not read as a run's (agent/record/models.py); steps
+missing or repeated; the first entry whose hash chain does not verify (altered, or an entry
+before it removed); an entry whose data digest before is not the previous entry's after; meta that no longer matches its seal; and, for a finished analysis,
 ``adata.h5ad`` missing or not holding the data of the ``finish`` step. The chain and seal are
 unkeyed hashes: they show edits made by hand or by another program, not a forger who recomputes
 them.
@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
-from agent.layout import SampleLayout
+from agent.record.layout import SampleLayout
+from agent.record.models import RunMeta
+from agent.record.world_state import WorldState, link, record_version, seal
 from agent.registry import infrastructure_fault
-from agent.world_state import WorldState, link, record_version, seal
+from agent.tool_declarations import FINISH
 
 NO_CHAIN = "record has no hash chain (made before it existed)"
 CHAINED = 2  # meta.record_version from which a record must carry its chain and seal
@@ -39,12 +41,18 @@ def unchained(world: WorldState) -> bool:
 def check_record(world: WorldState, folder: Path, final: bool = True) -> list[Problem]:
     """The record's problems, by step (meta last); none for a record as its run left it.
     ``final=False`` leaves out the final object (``adata.h5ad``), e.g. before a resume."""
-    problems = _continuity(world) + _digests(world)
+    problems = _meta(world) + _continuity(world) + _digests(world)
     if not unchained(world):
         problems += _chain(world) + _seal(world)
     if final:
         problems += _final(world, Path(folder))
     return sorted(problems, key=lambda p: (p.step is None, p.step or 0))
+
+
+def _meta(world: WorldState) -> list[Problem]:
+    """Meta of another shape than a run writes (a seal shows only edits of a run that ended)."""
+    problem = RunMeta.problem(world.meta)
+    return [Problem(None, problem)] if problem else []
 
 
 def _continuity(world: WorldState) -> list[Problem]:
@@ -115,7 +123,7 @@ def _final(world: WorldState, folder: Path) -> list[Problem]:
     status = world.meta.get("status")
     if status not in ("finished", "partial"):
         return []
-    finish = world.last_ok("finish")
+    finish = world.last_ok(FINISH)
     if finish is None:
         return [
             Problem(

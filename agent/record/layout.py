@@ -101,7 +101,7 @@ class SampleLayout:
 
     @property
     def lock(self) -> Path:
-        """Held by the one run writing this folder (agent/lock.py)."""
+        """Held by the one run writing this folder (agent/record/lock.py)."""
         return self.root / LOCK
 
     def previous(self, stamp: str) -> Path:

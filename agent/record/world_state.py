@@ -7,7 +7,7 @@ steps), written at the start and after each cut of the history, and then one lin
 
 Each saved entry carries ``chain``, a hash over the previous entry's chain and its own content, and
 a record saved with a final status carries ``meta.seal``, a hash over the last chain and meta: an
-entry altered or removed, or meta edited, afterwards shows (agent/integrity.py checks them).
+entry altered or removed, or meta edited, afterwards shows (agent/record/integrity.py checks them).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any
 
 import orjson
 
-from agent.durable import RecordWriter
-from agent.layout import SampleLayout
+from agent.record.durable import RecordWriter
+from agent.record.layout import SampleLayout
+from agent.record.models import ENTRY_KEYS, RunMeta, StepEntry
 from agent.registry import Outcome
 
 SCHEMA_VERSION = 1
@@ -38,10 +39,6 @@ def record_version(meta: dict[str, Any]) -> int:
 HEADER = "WORLD STATE:"  # the full rendering's first words
 LINE_WIDTH = 160  # characters of an entry's line
 _OPTS = orjson.OPT_SERIALIZE_NUMPY
-_ENTRY_KEYS = (
-    "step", "tool", "params", "status", "result", "error", "seconds", "digest_before",
-    "digest_after", "call_id", "checkpoint",
-)  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -61,7 +58,7 @@ class Entry(Outcome):
     def to_json(self) -> dict[str, Any]:
         """The record's form: the keys in the order records have always had them, and
         ``rejected_arguments`` only on a call refused before it ran."""
-        doc = {name: getattr(self, name) for name in _ENTRY_KEYS}
+        doc = {name: getattr(self, name) for name in ENTRY_KEYS}
         if self.rejected_arguments is not None:
             doc["rejected_arguments"] = self.rejected_arguments
         return doc
@@ -202,7 +199,9 @@ class WorldState:
         meta = {k: v for k, v in self.meta.items() if k != "seal"}
         if meta.get("status", "running") != "running":
             self._encode()
-            meta["seal"] = seal(meta, self.entries[-1].chain if self.entries else "")
+            meta.update(
+                RunMeta.part(seal=seal(meta, self.entries[-1].chain if self.entries else ""))
+            )
         head = orjson.dumps({"schema_version": SCHEMA_VERSION, "meta": meta}, option=_OPTS)
         return head[:-1] + b',"entries":['
 
@@ -212,6 +211,7 @@ class WorldState:
         for entry in self.entries[len(self._encoded) :]:
             doc = plain(entry.to_json())
             if entry.chain is None:  # one loaded keeps its own: an alteration must stay visible
+                StepEntry.model_validate(doc)  # written once, so checked once
                 previous = self.entries[len(self._encoded) - 1].chain if self._encoded else ""
                 entry.chain = link(previous or "", doc)
             self._encoded.append(orjson.dumps({**doc, "chain": entry.chain}))

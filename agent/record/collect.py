@@ -1,6 +1,6 @@
 """Everything the report knows about one sample, read from its folder; never raises for a sample.
 
-A sample's folder (its paths: agent.layout.SampleLayout) holds world_state.json, metrics.jsonl,
+A sample's folder (its paths: agent.record.layout.SampleLayout) holds world_state.json, metrics.jsonl,
 adata.h5ad, plots/*.png and, after the replay rule, replay.json. Whatever is missing or
 unreadable becomes a problem noted on the sample (shown as failed in the report), never an
 exception that would lose the other samples.
@@ -17,17 +17,22 @@ from typing import Any
 import orjson
 import pandas as pd
 
-from agent.durable import read_appended_rows
-from agent.layout import SampleLayout
-from agent.lock import holder_of
-from agent.report.checks import SampleChecks
-from agent.report.truth import read_truth, score
-from agent.world_state import Entry, WorldState
+from agent.record.checks import SampleChecks
+from agent.record.durable import read_appended_rows
+from agent.record.layout import SampleLayout
+from agent.record.lock import holder_of
+from agent.record.models import RunMeta
+from agent.record.truth import read_truth, score
+from agent.record.world_state import Entry, WorldState
+from agent.tool_declarations import DECLARED
 
 TRUTH_FILE = "truth.tsv"
 CLUSTER_KEY = "leiden"
 # What the model was and what it was told, as the report names it (Sample.model_provenance).
 MODEL_PROVENANCE = ("model_id", "revision", "vllm_version", "family", "sampling", "prompt_digest")
+# Tools that leave the data as they were: their parameters are bookkeeping (file names, prose),
+# not analysis choices.
+NOT_CHOICES = frozenset(name for name, declared in DECLARED.items() if not declared.mutates)
 
 
 @dataclass
@@ -113,6 +118,27 @@ class Sample:
         return SampleChecks.of(self.world)
 
 
+def match_replays(world_states: list[Path], replays: list[Path]) -> dict[Path, Path]:
+    """world state -> its replay: the one in the same folder, else the one naming it."""
+    by_folder = {p.parent.resolve(): p for p in replays}
+    by_source: dict[Path, Path] = {}
+    for p in replays:
+        if p.parent.resolve() in {w.parent.resolve() for w in world_states}:
+            continue
+        try:
+            source = orjson.loads(p.read_bytes()).get("world_state")
+        except (OSError, orjson.JSONDecodeError, AttributeError):
+            continue
+        if source:
+            by_source[Path(source).resolve()] = p
+    matched = {}
+    for w in world_states:
+        found = by_folder.get(w.parent.resolve()) or by_source.get(w.resolve())
+        if found is not None:
+            matched[w] = found
+    return matched
+
+
 def read_replay(path: Path) -> dict[str, Any]:
     """replay.json as `agent replay` writes it, or ValueError saying what it lacks."""
     doc = orjson.loads(path.read_bytes())
@@ -174,6 +200,8 @@ def load_sample(
         sample.status = "unreadable"
         sample.problems.append(str(e))
         return sample
+    if problem := RunMeta.problem(sample.meta):  # shown, and the fields the report reads as found
+        sample.problems.append(f"{world_state}: {problem}")
     sample.name = str(sample.meta.get("sample") or folder.name)
     sample.status = str(sample.meta.get("status") or "unknown")
     if sample.status == "running":  # going on while the report is built, or killed unawares
@@ -239,3 +267,17 @@ def cluster_key(sample: Sample) -> str:
     """The obs column the final Leiden call wrote."""
     leiden = sample.last_ok("leiden")
     return str((leiden.params.get("key_added") if leiden else None) or CLUSTER_KEY)
+
+
+def chosen_parameters(sample: Sample) -> dict[str, Any]:
+    """``tool.param`` -> value of the last successful call of each analysis tool, in call order;
+    a filter applied more than once shows the thresholds in force, the strictest of its
+    applications (its filter_repeated check)."""
+    latest = {e.tool: e for e in sample.entries if e.status == "ok" and e.tool not in NOT_CHOICES}
+    ordered = sorted(latest.values(), key=lambda e: e.step)
+    repeated = sample.checks.repeated_filters()
+    return {
+        f"{e.tool}.{k}": v
+        for e in ordered
+        for k, v in {**e.params, **repeated.get(e.tool, {}).get("effective", {})}.items()
+    }

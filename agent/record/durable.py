@@ -2,6 +2,7 @@
 
 - ``atomic_write`` / ``atomic_write_json`` / ``atomic_write_h5ad``: a temporary file in the same
   folder, then a rename, so readers see the old file or the whole new one.
+- ``publish``: an atomic write readable by all (the report's and the cohort commands' files).
 - ``write_private``: a file only its owner can read (API keys).
 - ``check_hard_links``: refuse a folder whose file system cannot keep linked copies.
 - ``RecordWriter``: the world state's append-and-rename save, published under a name and its
@@ -75,6 +76,12 @@ def atomic_write(path: str | Path, data: bytes | list[bytes]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def publish(path: Path, data: bytes) -> None:
+    """Write atomically, readable by all: a report is for people other than its writer."""
+    atomic_write(path, data)
+    path.chmod(0o644)
 
 
 def atomic_write_json(path: str | Path, doc: Any, indent: bool = False) -> None:

@@ -17,8 +17,8 @@ from typing import Any
 
 import orjson
 
-from agent.durable import NOT_SUPPORTED, Unsupported
-from agent.provenance import now
+from agent.record.durable import NOT_SUPPORTED, Unsupported
+from agent.record.provenance import now
 
 
 class FolderBusy(Exception):
