@@ -40,7 +40,7 @@ from scipy import sparse
 from agent.record.world_state import WorldState
 from agent.tools import decontx, soupx
 from agent.tools.ambient import LAYER, SOUP_COLUMN, _raw_soup
-from agent.tools.annotate import UNKNOWN, _detection, _label, evidence_table
+from agent.tools.annotate import UNKNOWN, _label, evidence_table, gate
 from agent.tools.cells import _curve
 from agent.tools.cluster import LEIDEN_ARGS, _expression, _pca_used, _score
 from agent.tools.common import all_genes, counts_matrix
@@ -55,7 +55,6 @@ from agent.tools.io import (
     _use_symbols,
     read_matrix,
 )
-from agent.tools.lineage import lineage_table
 from agent.tools.marker_sets import default_markers, match, parse_markers
 from agent.tools.markers import rank_singlets
 from agent.tools.plots import _figure
@@ -337,25 +336,7 @@ def annotate_clusters(
     thresholds = (min_score, min_detection, top_ranked)
     evidence_of = clusters.where(~flagged(adata))  # kept doublets give no evidence
     table, _ = evidence_table(adata, matched, evidence_of, groupby, species, s.seed, thresholds)
-    gates, groups = None, {}
-    if matched.lineages:
-        gates = lineage_table(genes.X, names, evidence_of, matched.lineages)
-        defined = {
-            (lineage, label): members
-            for lineage, spec in matched.lineages.items()
-            for label, members in spec["groups"].items()
-        }
-        detected = _detection(adata, defined, evidence_of, at_least=1)
-        groups = {
-            lineage: detected[[k for k in defined if k[0] == lineage]].T.droplevel(0)
-            for lineage in {k[0] for k in defined}
-        }
-        passed = gates.set_index(["cluster", "lineage"])["passed"].to_dict()
-        keys = zip(table["cluster"], table["lineage"], strict=True)
-        gated = np.array([passed.get(k, False) for k in keys], bool)
-        table["qualified"] = table["evidence"] & gated
-    else:
-        table["qualified"] = table["evidence"]
+    gates, groups = gate(adata, genes, matched, evidence_of, table)
     labels = {
         cluster: _label(
             evidence.set_index("cell_type"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import anndata as ad
 import numpy as np
 import pandas as pd
 import scanpy as sc
@@ -353,6 +354,39 @@ def _label(
     return entry
 
 
+def gate(
+    adata: ad.AnnData,
+    genes: ad.AnnData,
+    matched: Matched,
+    evidence_of: pd.Series,
+    table: pd.DataFrame,
+) -> tuple[pd.DataFrame | None, dict[str, pd.DataFrame]]:
+    """The lineage gates of each cluster (agent/tools/lineage.py) and the detection of each
+    lineage's groups; marks `table` (the cluster x type evidence) with `lineage_passed` and
+    `qualified` (evidence and a passed gate). Without lineages, evidence alone qualifies."""
+    if not matched.lineages:
+        table["qualified"] = table["evidence"]
+        return None, {}
+    gates = lineage_table(genes.X, genes.var_names.astype(str), evidence_of, matched.lineages)
+    defined = {
+        (lineage, label): members
+        for lineage, spec in matched.lineages.items()
+        for label, members in spec["groups"].items()
+    }
+    detected = _detection(adata, defined, evidence_of, at_least=1)
+    groups = {
+        lineage: detected[[k for k in defined if k[0] == lineage]].T.droplevel(0)
+        for lineage in {k[0] for k in defined}
+    }
+    passed = gates.set_index(["cluster", "lineage"])["passed"]
+    table["lineage_passed"] = [
+        bool(passed.get((c, lineage), False))
+        for c, lineage in zip(table["cluster"], table["lineage"], strict=True)
+    ]
+    table["qualified"] = table["evidence"] & table["lineage_passed"]
+    return gates, groups
+
+
 @tool(
     "annotate", needs=("normalize",), expensive=True, stage="labels", clustering="groupby",
     loosens={"min_score": "lower", "min_detection": "lower", "top_ranked": "higher"},
@@ -419,27 +453,7 @@ def annotate_clusters(
     table, ranked_from = evidence_table(
         adata, matched, evidence_of, groupby, species["species"], session.seed, thresholds
     )
-    gates, groups = None, {}
-    if matched.lineages:
-        gates = lineage_table(genes.X, names, evidence_of, matched.lineages)
-        defined = {
-            (lineage, label): members
-            for lineage, spec in matched.lineages.items()
-            for label, members in spec["groups"].items()
-        }
-        detected = _detection(adata, defined, evidence_of, at_least=1)
-        groups = {
-            lineage: detected[[k for k in defined if k[0] == lineage]].T.droplevel(0)
-            for lineage in {k[0] for k in defined}
-        }
-        passed = gates.set_index(["cluster", "lineage"])["passed"]
-        table["lineage_passed"] = [
-            bool(passed.get((c, lineage), False))
-            for c, lineage in zip(table["cluster"], table["lineage"], strict=True)
-        ]
-        table["qualified"] = table["evidence"] & table["lineage_passed"]
-    else:
-        table["qualified"] = table["evidence"]
+    gates, groups = gate(adata, genes, matched, evidence_of, table)
     cluster_sizes = clusters.value_counts()
     result = {}
     for cluster, evidence in table.groupby("cluster", sort=False):
