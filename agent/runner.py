@@ -10,6 +10,8 @@ import platform
 import stat
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -294,24 +296,24 @@ def model_path(config: RunConfig) -> str | None:
     return str(config.celltypist_model.resolve()) if config.celltypist_model else None
 
 
-def raw_sha256(config: RunConfig) -> str | None:
-    """sha256 of the run's unfiltered droplet matrix (--raw-input), None without one."""
-    if config.raw_input is None:
+def _sha256_of(path: Path | None, digest: Callable[[Path], str]) -> str | None:
+    """``digest`` of a file the run was given, None without one; unreadable: a machine fault."""
+    if path is None:
         return None
     try:
-        return checksum(config.raw_input)
+        return digest(path)
     except OSError as e:
-        raise InfrastructureError(f"cannot read {config.raw_input}: {e}") from e
+        raise InfrastructureError(f"cannot read {path}: {e}") from e
+
+
+def raw_sha256(config: RunConfig) -> str | None:
+    """sha256 of the run's unfiltered droplet matrix (--raw-input; a folder's files), or None."""
+    return _sha256_of(config.raw_input, checksum)
 
 
 def model_sha256(config: RunConfig) -> str | None:
-    """sha256 of the run's CellTypist model, None without one."""
-    if config.celltypist_model is None:
-        return None
-    try:
-        return file_sha256(config.celltypist_model)
-    except OSError as e:
-        raise InfrastructureError(f"cannot read {config.celltypist_model}: {e}") from e
+    """sha256 of the run's CellTypist model file, or None."""
+    return _sha256_of(config.celltypist_model, file_sha256)
 
 
 def _brief(config: RunConfig) -> str:
